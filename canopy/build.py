@@ -1,0 +1,90 @@
+"""Builds the run's parts from a validated config: tokenizer, environment, engine, budget, data and module."""
+
+from pathlib import Path
+
+from omegaconf import DictConfig
+from transformers import AutoTokenizer
+
+from canopy.config import ConfigError
+from canopy.datamodules.rollout import RolloutDataModule
+from canopy.envs.embedded import EmbeddedEnvironment
+from canopy.modules.canopy_module import CanopyModule
+from canopy.rollout.agent_loop import Budget
+from canopy.rollout.engine import LocalEngine, SamplingParams
+from canopy.tiny_checkpoint import build_tiny_checkpoint
+
+
+def ensure_model(cfg: DictConfig) -> str:
+    """The checkpoint directory; the embedded default builds its tiny random Qwen3 there on first use."""
+    path = Path(cfg.model.path)
+    if cfg.model.build_tiny and not (path / "config.json").is_file():
+        build_tiny_checkpoint(path, seed=cfg.seed)
+    return str(path)
+
+
+def build_env(cfg: DictConfig):
+    if cfg.env.name == "embedded":
+        return EmbeddedEnvironment()
+    raise ConfigError(f"env.name={cfg.env.name!r} has no environment in this build yet: use env.name=embedded")
+
+
+def build_engine(cfg: DictConfig, model_path: str, tokenizer):
+    if cfg.engine.name == "local":
+        stop = [tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.convert_tokens_to_ids("<|endoftext|>")]
+        return LocalEngine(model_path, stop_token_ids=stop, pad_token_id=tokenizer.pad_token_id, seed=cfg.seed)
+    raise ConfigError(f"engine.name={cfg.engine.name!r} is not available in this build yet: use engine.name=local")
+
+
+def build_budget(cfg: DictConfig) -> Budget:
+    b = cfg.budget
+    return Budget(
+        max_turns=b.max_turns,
+        max_response_tokens=b.max_response_tokens,
+        max_prompt_tokens=b.max_prompt_tokens,
+        max_observation_tokens=b.max_observation_tokens,
+        max_context_tokens=b.max_context_tokens,
+        per_turn_generation_cap=b.per_turn_generation_cap,
+    )
+
+
+def build_sampling(cfg: DictConfig) -> SamplingParams:
+    return SamplingParams(temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p, top_k=cfg.sampling.top_k)
+
+
+def build_datamodule(cfg: DictConfig, model_path: str) -> RolloutDataModule:
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    return RolloutDataModule(
+        build_env(cfg),
+        build_engine(cfg, model_path, tokenizer),
+        tokenizer,
+        split=cfg.data.split,
+        tasks_per_step=cfg.data.tasks_per_step,
+        group_size=cfg.algorithm.group_size,
+        budget=build_budget(cfg),
+        sampling=build_sampling(cfg),
+        reward=cfg.algorithm.reward,
+        drop_hardest=cfg.data.drop_hardest,
+        hardest_tier=cfg.data.hardest_tier,
+        quarantine_as_failure=cfg.algorithm.quarantine_as_failure,
+        seed=cfg.seed,
+    )
+
+
+def build_module(cfg: DictConfig, model_path: str) -> CanopyModule:
+    a, o = cfg.algorithm, cfg.optim
+    return CanopyModule(
+        model_path,
+        kl_coef=a.kl_coef,
+        clip_low=a.clip_low,
+        clip_high=a.clip_high,
+        loss_aggregation=a.loss_aggregation,
+        entropy_coef=a.entropy_coef,
+        minibatches_per_step=a.minibatches_per_step,
+        lr=o.lr,
+        betas=tuple(o.betas),
+        weight_decay=o.weight_decay,
+        grad_clip=o.grad_clip,
+        temperature=cfg.sampling.temperature,
+        micro_batch_tokens=cfg.trainer.micro_batch_tokens,
+        seed=cfg.seed,
+    )

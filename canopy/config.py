@@ -1,0 +1,66 @@
+"""Config validation: every bad value fails at start with one line that names the fix."""
+
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+ENVIRONMENTS = ("embedded", "appworld", "swebench")
+ENGINES = ("local", "sglang")
+
+
+class ConfigError(ValueError):
+    """A configuration value Canopy cannot run with; the message says what to change."""
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ConfigError(message)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def validate(cfg: DictConfig) -> None:
+    """Check the keys the recipe depends on; raise ConfigError with the fix on the first bad one."""
+    missing = sorted(OmegaConf.missing_keys(cfg))
+    if missing:
+        raise ConfigError(f"config key(s) {missing} must be set, e.g. `python train.py {missing[0]}=...`")
+    a, d, b, s, o, t = cfg.algorithm, cfg.data, cfg.budget, cfg.sampling, cfg.optim, cfg.trainer
+
+    _require(_is_int(a.group_size) and a.group_size >= 2,
+             f"algorithm.group_size={a.group_size}: group-relative advantages need >= 2 rollouts per task; set algorithm.group_size >= 2")
+    _require(isinstance(a.kl_coef, (int, float)) and a.kl_coef >= 0,
+             f"algorithm.kl_coef={a.kl_coef} must be >= 0 (0 disables the KL anchor, the no_kl ablation)")
+    _require(0 <= a.clip_low < 1 and a.clip_high >= 0,
+             f"algorithm.clip_low={a.clip_low} / clip_high={a.clip_high}: need 0 <= clip_low < 1 and clip_high >= 0")
+    _require(a.loss_aggregation in ("token-mean", "seq-mean"),
+             f"algorithm.loss_aggregation={a.loss_aggregation!r} is unknown: use token-mean (the recipe) or seq-mean")
+    _require(a.reward in ("sparse", "dense"), f"algorithm.reward={a.reward!r} is unknown: use sparse or dense")
+    _require(a.entropy_coef >= 0, f"algorithm.entropy_coef={a.entropy_coef} must be >= 0 (the recipe uses 0)")
+    _require(_is_int(a.minibatches_per_step) and 1 <= a.minibatches_per_step <= d.tasks_per_step * a.group_size,
+             f"algorithm.minibatches_per_step={a.minibatches_per_step}: use 1 (strict on-policy) up to the episodes per step")
+
+    _require(_is_int(d.tasks_per_step) and d.tasks_per_step >= 1, f"data.tasks_per_step={d.tasks_per_step} must be >= 1")
+    for key in ("max_turns", "max_response_tokens", "max_prompt_tokens", "max_observation_tokens", "max_context_tokens"):
+        _require(_is_int(b[key]) and b[key] >= 1, f"budget.{key}={b[key]} must be a positive integer")
+    _require(b.per_turn_generation_cap is None or (_is_int(b.per_turn_generation_cap) and b.per_turn_generation_cap >= 1),
+             f"budget.per_turn_generation_cap={b.per_turn_generation_cap} must be null (uncapped) or a positive integer")
+    _require(b.max_prompt_tokens < b.max_context_tokens,
+             f"budget.max_prompt_tokens={b.max_prompt_tokens} must be below budget.max_context_tokens={b.max_context_tokens}")
+    _require(s.temperature > 0, f"sampling.temperature={s.temperature} must be > 0")
+    _require(0 < s.top_p <= 1, f"sampling.top_p={s.top_p} must lie in (0, 1]")
+    _require(_is_int(s.top_k) and (s.top_k == -1 or s.top_k >= 1), f"sampling.top_k={s.top_k}: use -1 (off) or >= 1")
+
+    _require(o.lr > 0, f"optim.lr={o.lr} must be > 0")
+    _require(o.grad_clip is None or o.grad_clip > 0, f"optim.grad_clip={o.grad_clip} must be null (off) or > 0")
+    _require(_is_int(t.max_steps) and t.max_steps >= 1, f"trainer.max_steps={t.max_steps} must be >= 1")
+    _require(_is_int(t.micro_batch_tokens) and t.micro_batch_tokens >= 1,
+             f"trainer.micro_batch_tokens={t.micro_batch_tokens} must be a positive integer")
+
+    _require(cfg.env.name in ENVIRONMENTS, f"env.name={cfg.env.name!r} is unknown: use one of {', '.join(ENVIRONMENTS)}")
+    _require(cfg.engine.name in ENGINES, f"engine.name={cfg.engine.name!r} is unknown: use one of {', '.join(ENGINES)}")
+    _require(cfg.model.path is not None, "model.path is not set: pass model.path=/path/to/hf_checkpoint (config.json + *.safetensors + tokenizer)")
+    if not cfg.model.build_tiny:
+        _require(Path(cfg.model.path).is_dir(),
+                 f"model.path '{cfg.model.path}' does not exist: point it at an HF checkpoint directory (config.json + *.safetensors + tokenizer)")

@@ -1,0 +1,85 @@
+"""The environment protocol: tasks, episodes, and how an episode ends (Section 3.1, Appendix G)."""
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+@dataclass(frozen=True)
+class Task:
+    """One verifiable task q. `tier` is its difficulty (1 = easiest); `scenario` groups tasks for SGC."""
+
+    task_id: str
+    tier: int
+    scenario: str
+    spec: dict = field(default_factory=dict, compare=False)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Result of the task's unit tests U(q): `passed` of `total` tests passed."""
+
+    passed: int
+    total: int
+
+    @property
+    def success(self) -> bool:
+        return self.total > 0 and self.passed == self.total
+
+    def reward(self, kind: str) -> float:
+        """Sparse (Eq. 2) or dense pass-fraction (Eq. 1) reward."""
+        if kind == "sparse":
+            return float(self.success)
+        if kind == "dense":
+            return self.passed / self.total if self.total else 0.0
+        raise ValueError(f"unknown reward {kind!r}: use 'sparse' or 'dense'")
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What the environment returns for one action: the observation text and whether the episode is over."""
+
+    observation: str
+    done: bool
+
+
+class Episode(Protocol):
+    """One live episode of one task; concurrent episodes never share state."""
+
+    def messages(self) -> list[dict]:
+        """The opening chat messages (system and user) for the policy."""
+
+    def step(self, action_text: str) -> StepResult:
+        """Execute the policy's action and return the feedback."""
+
+    def verdict(self) -> Verdict:
+        """Run the task's unit tests on the final state."""
+
+    def close(self) -> None:
+        """Release the episode's resources."""
+
+
+class Environment(Protocol):
+    name: str
+
+    def tasks(self, split: str) -> list[Task]:
+        """The task pool of a split (train / dev / test ...)."""
+
+    def start(self, task: Task, seed: int) -> Episode:
+        """Begin a fresh, isolated episode of `task`."""
+
+
+class EnvironmentFault(RuntimeError):
+    """A fault the serving layer attributes to itself (dead worker, infra request failure, cross-episode
+    corruption). The episode is quarantined: removed from its group before scoring (Appendix G)."""
+
+    def __init__(self, reason: str, detail: str = ""):
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+
+
+class AgentFailure(RuntimeError):
+    """An ending the agent caused without a verdict (its own crash, memory blow-up, infinite loop): scored 0."""
+
+    def __init__(self, reason: str, detail: str = ""):
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason

@@ -1,0 +1,168 @@
+"""CanopyModule: the policy, its frozen reference, and exactly one optimizer step per rollout batch (Section 3.3)."""
+
+import time
+
+import lightning as L
+import torch
+
+from canopy.modules.policy import export_hf_state_dict, load_policy
+from canopy.objective import canopy_loss
+
+
+def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probability of each next token and the entropy of its distribution, at the sampling temperature.
+
+    `logits` [B, T, V] predict `input_ids[:, 1:]`; outputs are [B, T-1]. Scoring at the engine's temperature
+    makes the trainer's pi_theta the distribution the rollouts were actually drawn from.
+    """
+    log_probs = torch.log_softmax(logits[:, :-1].float() / temperature, dim=-1)
+    chosen = log_probs.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    entropy = -(log_probs.exp() * log_probs).sum(-1)
+    return chosen, entropy
+
+
+class CanopyModule(L.LightningModule):
+    """Owns the policy pi_theta (TorchTitan Qwen3) and the frozen base pi_ref; trains with manual optimization so
+    that one rollout batch is exactly one optimizer step (micro-batches only accumulate gradients)."""
+
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        kl_coef: float = 1e-4,
+        clip_low: float = 0.2,
+        clip_high: float = 0.2,
+        loss_aggregation: str = "token-mean",
+        entropy_coef: float = 0.0,
+        minibatches_per_step: int = 1,
+        lr: float = 3e-6,
+        betas: tuple[float, float] = (0.9, 0.999),
+        weight_decay: float = 0.0,
+        grad_clip: float | None = 1.0,
+        temperature: float = 1.0,
+        micro_batch_tokens: int = 16384,
+        seed: int = 0,
+    ):
+        super().__init__()
+        self.save_hyperparameters()
+        self.automatic_optimization = False
+        self.policy = None
+        self.reference = None
+        self.weight_version = 0  # rollout batches consumed = weight syncs sent to the engine
+
+    def configure_model(self) -> None:
+        if self.policy is not None:
+            return
+        self.policy, self.adapter = load_policy(self.hparams.model_path)
+        self.reference, _ = load_policy(self.hparams.model_path)
+        self.reference.requires_grad_(False).eval()
+
+    def configure_optimizers(self):
+        h = self.hparams
+        return torch.optim.AdamW(self.policy.parameters(), lr=h.lr, betas=tuple(h.betas), weight_decay=h.weight_decay)
+
+    def state_dict(self, *args, **kwargs):
+        """Only the policy is checkpointed; the reference is the base checkpoint at `model_path`."""
+        return {k: v for k, v in super().state_dict(*args, **kwargs).items() if not k.startswith("reference.")}
+
+    def load_state_dict(self, state_dict, strict: bool = True, **kwargs):
+        return super().load_state_dict(state_dict, strict=False, **kwargs)
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        checkpoint["weight_version"] = self.weight_version
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        self.weight_version = checkpoint["weight_version"]
+
+    def _logprobs(self, model: torch.nn.Module, batch) -> tuple[torch.Tensor, torch.Tensor]:
+        return token_logprobs(model(batch.input_ids), batch.input_ids, self.hparams.temperature)
+
+    @torch.no_grad()
+    def _logprobs_no_grad(self, model, batch, micro_batches) -> torch.Tensor:
+        out = torch.zeros(batch.input_ids.shape[0], batch.input_ids.shape[1] - 1)
+        for indices in micro_batches:
+            micro = batch.select(indices)
+            out[indices, : micro.input_ids.shape[1] - 1] = self._logprobs(model, micro)[0]
+        return out
+
+    def training_step(self, dataloader_iter):
+        batch, _, _ = next(dataloader_iter)
+        if batch.weight_version != self.weight_version:
+            raise RuntimeError(
+                f"rollout batch has weight version {batch.weight_version} but the policy is at {self.weight_version}: "
+                "a stale batch would break strict on-policy training"
+            )
+        h = self.hparams
+        micro_batches = batch.micro_batches(h.micro_batch_tokens)
+
+        started = time.perf_counter()
+        ref_logprobs = self._logprobs_no_grad(self.reference, batch, micro_batches)
+        timings = {"time/reference": time.perf_counter() - started}
+
+        started = time.perf_counter()
+        strict = h.minibatches_per_step == 1
+        # Off-policy ablation only: the behaviour policy's logprobs need their own forward pass before any update.
+        old_logprobs = None if strict else self._logprobs_no_grad(self.policy, batch, micro_batches)
+        optimizer = self.optimizers()
+        order = torch.randperm(len(batch.lengths), generator=torch.Generator().manual_seed(h.seed + self.weight_version))
+        sums: dict[str, float] = {}
+        grad_norms = []
+        for m, minibatch_indices in enumerate(order.chunk(h.minibatches_per_step)):
+            minibatch = batch.select(minibatch_indices)
+            n_tokens = minibatch.num_action_tokens
+            n_sequences = int((minibatch.action_mask[:, 1:].sum(-1) > 0).sum())
+            for local in minibatch.micro_batches(h.micro_batch_tokens):
+                rows = minibatch_indices[local]
+                micro = batch.select(rows)
+                width = micro.input_ids.shape[1] - 1
+                logprobs, entropy = self._logprobs(self.policy, micro)
+                old = logprobs.detach() if strict else old_logprobs[rows, :width]
+                mask = micro.action_mask[:, 1:]
+                loss, metrics = canopy_loss(
+                    logprobs,
+                    old,
+                    ref_logprobs[rows, :width],
+                    micro.advantages,
+                    mask,
+                    clip_low=h.clip_low,
+                    clip_high=h.clip_high,
+                    kl_coef=h.kl_coef,
+                    aggregation=h.loss_aggregation,
+                    num_action_tokens=n_tokens,
+                    num_sequences=n_sequences,
+                )
+                token_entropy = (entropy * mask).sum() / max(1, n_tokens)
+                if h.entropy_coef:
+                    loss = loss - h.entropy_coef * token_entropy
+                self.manual_backward(loss)
+                engine_gap = ((logprobs.detach() - micro.engine_logprobs[:, 1:]).abs() * mask).sum() / max(1, n_tokens)
+                metrics.update(loss=loss.detach(), entropy=token_entropy.detach(), engine_logprob_gap=engine_gap)
+                for key, value in metrics.items():
+                    sums[key] = sums.get(key, 0.0) + float(value) / h.minibatches_per_step
+            grad_norm = torch.nn.utils.clip_grad_norm_(
+                self.policy.parameters(), h.grad_clip if h.grad_clip else float("inf")
+            )
+            grad_norms.append(float(grad_norm))
+            last = m == h.minibatches_per_step - 1
+            # Lightning counts a global step per LightningOptimizer.step(): one per rollout batch (the last update).
+            (optimizer.step() if last else optimizer.optimizer.step())
+            optimizer.zero_grad()
+        timings["time/update"] = time.perf_counter() - started
+
+        started = time.perf_counter()
+        self.weight_version += 1
+        self.trainer.datamodule.sync_weights(export_hf_state_dict(self.policy, self.adapter), self.weight_version)
+        timings["time/weight_sync"] = time.perf_counter() - started
+
+        logged = {f"actor/{k}": v for k, v in sums.items()}
+        logged["actor/grad_norm"] = sum(grad_norms) / len(grad_norms)
+        logged["actor/lr"] = optimizer.param_groups[0]["lr"]
+        logged["actor/action_tokens"] = float(batch.num_action_tokens)
+        logged.update(batch.metrics)
+        logged.update(timings)
+        self.log_dict(logged, on_step=True, on_epoch=False, batch_size=len(batch.lengths))
+        self.log_dict(
+            {"success": logged.get("reward/success", 0.0), "kl": logged["actor/kl"]},
+            on_step=True, on_epoch=False, prog_bar=True, logger=False, batch_size=len(batch.lengths),
+        )
+        return None

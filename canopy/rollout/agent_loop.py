@@ -1,0 +1,190 @@
+"""The multi-turn agent loop (Section 3.1), token-in / token-out.
+
+Each episode's sequence is built from ids only: the rendered prompt (mask 0), then per turn the ids the
+engine generated (mask 1, stop token included) and the rendered observation (mask 0). The past is never
+re-tokenized, so the trainer scores exactly the tokens the engine sampled. All live episodes of a rollout
+step generate together, one batched engine call per turn.
+"""
+
+import time
+from dataclasses import dataclass, field
+
+from tqdm.auto import tqdm
+
+from canopy.envs.base import AgentFailure, Environment, Episode, EnvironmentFault, Task, Verdict
+from canopy.rollout.engine import SamplingParams
+
+
+@dataclass(frozen=True)
+class Budget:
+    """Interaction budget of one episode (Tables A1/A3; `per_turn_generation_cap=None` means uncapped)."""
+
+    max_turns: int
+    max_response_tokens: int
+    max_prompt_tokens: int
+    max_observation_tokens: int
+    max_context_tokens: int
+    per_turn_generation_cap: int | None = None
+
+
+@dataclass
+class Trajectory:
+    """One finished episode. Exactly one of `verdict`, `agent_failure`, `quarantine` describes its outcome."""
+
+    task: Task
+    sample_index: int
+    token_ids: list[int]
+    action_mask: list[int]
+    engine_logprobs: list[float]  # aligned with token_ids; 0.0 where action_mask is 0
+    prompt_length: int
+    weight_versions: set[int] = field(default_factory=set)
+    num_turns: int = 0
+    response_tokens: int = 0
+    ending: str = ""  # done | turn_limit | token_budget | context_limit | agent_failure | quarantined
+    verdict: Verdict | None = None
+    agent_failure: str | None = None
+    quarantine: str | None = None
+
+    @property
+    def truncated(self) -> bool:
+        return self.ending in ("token_budget", "context_limit")
+
+    def reward(self, kind: str) -> float:
+        """Scored outcome; agent failures score 0. Quarantined episodes have no reward (see `quarantine`)."""
+        if self.quarantine is not None:
+            raise ValueError(f"episode {self.task.task_id}#{self.sample_index} is quarantined and has no reward")
+        return self.verdict.reward(kind) if self.verdict is not None else 0.0
+
+
+class _Live:
+    """An episode in progress: its environment handle and growing trajectory."""
+
+    def __init__(self, episode: Episode, trajectory: Trajectory):
+        self.episode, self.trajectory = episode, trajectory
+
+
+def render_prompt(tokenizer, messages: list[dict]) -> list[int]:
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def render_observation(tokenizer, observation: str, cap: int, close_turn: bool) -> list[int]:
+    """Ids of `<|im_end|>`? + `\\n<|im_start|>user\\n{obs}<|im_end|>\\n<|im_start|>assistant\\n`, obs capped to `cap` tokens."""
+    content = tokenizer.encode(observation, add_special_tokens=False)[:cap]
+    head = ("<|im_end|>" if close_turn else "") + "\n<|im_start|>user\n"
+    tail = "<|im_end|>\n<|im_start|>assistant\n"
+    return tokenizer.encode(head, add_special_tokens=False) + content + tokenizer.encode(tail, add_special_tokens=False)
+
+
+def run_episodes(
+    engine,
+    env: Environment,
+    tokenizer,
+    jobs: list[tuple[Task, int]],
+    budget: Budget,
+    sampling: SamplingParams,
+    seed: int = 0,
+    description: str = "rollout",
+) -> tuple[list[Trajectory], dict[str, float]]:
+    """Run one episode per (task, sample_index) job to its end; returns trajectories in job order and timings."""
+    timings = {"generation": 0.0, "env": 0.0}
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    trajectories: list[Trajectory] = []
+    live: list[_Live] = []
+    started = time.perf_counter()
+    for i, (task, sample_index) in enumerate(jobs):
+        trajectory = Trajectory(task, sample_index, [], [], [], 0)
+        trajectories.append(trajectory)
+        try:
+            episode = env.start(task, seed=seed + i)
+            prompt = render_prompt(tokenizer, episode.messages())
+        except EnvironmentFault as fault:
+            trajectory.ending, trajectory.quarantine = "quarantined", fault.reason
+            continue
+        if len(prompt) > budget.max_prompt_tokens:
+            raise ValueError(
+                f"task {task.task_id}: prompt has {len(prompt)} tokens > budget.max_prompt_tokens="
+                f"{budget.max_prompt_tokens}; raise the cap or drop the task"
+            )
+        trajectory.token_ids, trajectory.action_mask = list(prompt), [0] * len(prompt)
+        trajectory.engine_logprobs, trajectory.prompt_length = [0.0] * len(prompt), len(prompt)
+        live.append(_Live(episode, trajectory))
+    timings["env"] += time.perf_counter() - started
+
+    progress = tqdm(total=len(jobs), desc=description, unit="ep", leave=False, dynamic_ncols=True)
+    progress.update(len(jobs) - len(live))
+    while live:
+        limits = []
+        for item in live:
+            t = item.trajectory
+            limit = min(budget.max_response_tokens - t.response_tokens, budget.max_context_tokens - len(t.token_ids))
+            if budget.per_turn_generation_cap is not None:
+                limit = min(limit, budget.per_turn_generation_cap)
+            limits.append(limit)
+        started = time.perf_counter()
+        generations = engine.generate([item.trajectory.token_ids for item in live], limits, sampling)
+        timings["generation"] += time.perf_counter() - started
+
+        still_live = []
+        started = time.perf_counter()
+        for item, generation in zip(live, generations):
+            t = item.trajectory
+            t.token_ids += generation.token_ids
+            t.action_mask += [1] * len(generation.token_ids)
+            t.engine_logprobs += generation.logprobs
+            t.weight_versions.add(generation.weight_version)
+            t.response_tokens += len(generation.token_ids)
+            t.num_turns += 1
+            ending = _step(item, generation, tokenizer, budget, im_end)
+            if ending is None:
+                still_live.append(item)
+                continue
+            t.ending = ending
+            if ending not in ("quarantined", "agent_failure"):
+                _judge(item)
+            item.episode.close()
+            progress.update(1)
+        timings["env"] += time.perf_counter() - started
+        live = still_live
+        progress.set_postfix(live=len(live), turn=max((i.trajectory.num_turns for i in live), default=0))
+    progress.close()
+    return trajectories, timings
+
+
+def _step(item: _Live, generation, tokenizer, budget: Budget, im_end: int) -> str | None:
+    """Feed the action to the environment; return the episode's ending, or None if it goes on."""
+    t = item.trajectory
+    if generation.finish_reason == "length":  # else the per-turn cap cut the turn: the episode goes on
+        if t.response_tokens >= budget.max_response_tokens:
+            return "token_budget"
+        if len(t.token_ids) >= budget.max_context_tokens:
+            return "context_limit"
+    action_text = tokenizer.decode(generation.token_ids, skip_special_tokens=True)
+    try:
+        result = item.episode.step(action_text)
+    except EnvironmentFault as fault:
+        t.quarantine = fault.reason
+        return "quarantined"
+    except AgentFailure as failure:
+        t.agent_failure = failure.reason
+        return "agent_failure"
+    if result.done:
+        return "done"
+    if t.num_turns >= budget.max_turns:
+        return "turn_limit"
+    closes_turn = not generation.token_ids or generation.token_ids[-1] != im_end
+    observation = render_observation(tokenizer, result.observation, budget.max_observation_tokens, closes_turn)
+    if len(t.token_ids) + len(observation) >= budget.max_context_tokens:
+        return "context_limit"
+    t.token_ids += observation
+    t.action_mask += [0] * len(observation)
+    t.engine_logprobs += [0.0] * len(observation)
+    return None
+
+
+def _judge(item: _Live) -> None:
+    """Run the task's unit tests on the final state; a serving-layer fault here quarantines the episode."""
+    try:
+        item.trajectory.verdict = item.episode.verdict()
+    except EnvironmentFault as fault:
+        item.trajectory.ending, item.trajectory.quarantine = "quarantined", fault.reason

@@ -1,0 +1,106 @@
+"""Inference engines. `LocalEngine` generates in-process (CPU, the embedded default) with the same contract
+as the SGLang server: token ids in, token ids + logprobs out, each sample stamped with the weight version,
+weights pushed as an HF-format state dict after every optimizer step.
+"""
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import Qwen3ForCausalLM
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1: no top-k filter
+
+
+@dataclass
+class Generation:
+    """One completion: generated ids (the stop token included), their logprobs at the sampling temperature,
+    why it stopped ("stop" or "length") and the weight version that produced it."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    weight_version: int
+
+
+def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Top-k then nucleus (top-p) filtering of temperature-scaled logits [B, V]."""
+    if 0 < top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
+        cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
+        drop_sorted = cumulative - torch.softmax(sorted_logits, dim=-1) > top_p  # keep the token crossing top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+class LocalEngine:
+    """Batched sampling with a KV cache from an HF `Qwen3ForCausalLM`, in-process."""
+
+    def __init__(self, model_path: str | Path, stop_token_ids: list[int], pad_token_id: int, seed: int = 0):
+        self.model = Qwen3ForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+        self.stop_token_ids = torch.tensor(sorted(set(stop_token_ids)))
+        self.pad_token_id = pad_token_id
+        self.weight_version = 0
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def update_weights(self, hf_state_dict: dict[str, torch.Tensor], version: int) -> None:
+        """Load the trainer's weights (HF names, strict) and adopt its version."""
+        self.model.load_state_dict(hf_state_dict, strict=True)
+        self.weight_version = version
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], max_new_tokens: list[int], sampling: SamplingParams) -> list[Generation]:
+        if not prompts:
+            return []
+        batch = len(prompts)
+        width = max(len(p) for p in prompts)
+        input_ids = torch.full((batch, width), self.pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros((batch, width), dtype=torch.long)
+        for i, prompt in enumerate(prompts):  # left padding
+            input_ids[i, width - len(prompt) :] = torch.tensor(prompt)
+            attention_mask[i, width - len(prompt) :] = 1
+        position_ids = (attention_mask.cumsum(-1) - 1).clamp_min(0)
+        limits = torch.tensor(max_new_tokens)
+        outputs = [[] for _ in range(batch)]
+        logprobs = [[] for _ in range(batch)]
+        finished = limits <= 0
+        reasons = ["length"] * batch
+        cache = None
+        step_ids, step_positions = input_ids, position_ids
+        for step in range(int(limits.max().clamp_min(0))):
+            out = self.model(
+                input_ids=step_ids,
+                attention_mask=attention_mask,
+                position_ids=step_positions,
+                past_key_values=cache,
+                use_cache=True,
+            )
+            cache = out.past_key_values
+            scaled = out.logits[:, -1, :].float() / sampling.temperature
+            token_logprobs = torch.log_softmax(scaled, dim=-1)
+            probs = torch.softmax(filter_logits(scaled, sampling.top_k, sampling.top_p), dim=-1)
+            tokens = torch.multinomial(probs, 1, generator=self.generator).squeeze(-1)
+            for i in torch.nonzero(~finished).flatten().tolist():
+                token = int(tokens[i])
+                outputs[i].append(token)
+                logprobs[i].append(float(token_logprobs[i, token]))
+                if token in self.stop_token_ids:
+                    finished[i], reasons[i] = True, "stop"
+                elif len(outputs[i]) >= limits[i]:
+                    finished[i] = True
+            if bool(finished.all()):
+                break
+            tokens = torch.where(finished, torch.tensor(self.pad_token_id), tokens)
+            step_ids = tokens.unsqueeze(-1)
+            step_positions = step_positions[:, -1:] + 1
+            attention_mask = torch.cat([attention_mask, (~finished).long().unsqueeze(-1)], dim=-1)
+        return [Generation(outputs[i], logprobs[i], reasons[i], self.weight_version) for i in range(batch)]
