@@ -76,19 +76,20 @@ class RolloutBatch:
 def score_groups(
     trajectories: list[Trajectory], group_size: int, reward_kind: str, quarantine_as_failure: bool = False
 ) -> tuple[list[Trajectory], torch.Tensor, dict[str, float]]:
-    """Quarantine, then reward, then Eq. 3 per group. Returns the survivors, their advantages and group stats.
+    """Quarantine, then reward, then Eq. 3 per group of `group_size` consecutive same-task episodes.
+    Returns the survivors, their advantages and group-composition stats.
 
     With `quarantine_as_failure` (the sensitivity ablation of Appendix G) quarantined episodes are scored 0
     instead of removed; they carry no tokens either way, since their trajectory is not the policy's doing.
     """
-    groups: dict[str, list[Trajectory]] = defaultdict(list)
-    for trajectory in trajectories:
-        groups[trajectory.task.task_id].append(trajectory)
+    if len(trajectories) % group_size:
+        raise RuntimeError(f"{len(trajectories)} episodes do not form whole groups of {group_size}: an episode was lost")
+    groups = [trajectories[i : i + group_size] for i in range(0, len(trajectories), group_size)]
     survivors, advantages, compositions = [], [], Counter()
     composition_by_tier: dict[int, Counter] = defaultdict(Counter)
-    for group in groups.values():
-        if len(group) != group_size:
-            raise RuntimeError(f"group {group[0].task.task_id} has {len(group)} episodes, expected {group_size}")
+    for group in groups:
+        if len({t.task.task_id for t in group}) != 1:
+            raise RuntimeError(f"a group mixes tasks {sorted({t.task.task_id for t in group})}: groups must be same-task")
         valid = torch.tensor([t.quarantine is None or quarantine_as_failure for t in group])
         rewards = torch.tensor([0.0 if t.quarantine is not None else t.reward(reward_kind) for t in group])
         group_adv = group_advantages(rewards, valid)

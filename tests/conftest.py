@@ -1,0 +1,15 @@
+import pytest
+from transformers import AutoTokenizer
+
+from canopy.tiny_checkpoint import build_tiny_checkpoint
+
+
+@pytest.fixture(scope="session")
+def tiny_path(tmp_path_factory):
+    """A tiny random Qwen3 HF checkpoint with the word-level tokenizer, built locally once per session."""
+    return build_tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny-qwen3", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tiny_path):
+    return AutoTokenizer.from_pretrained(tiny_path)

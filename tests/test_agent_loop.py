@@ -1,0 +1,132 @@
+import pytest
+
+from canopy.envs.base import AgentFailure, EnvironmentFault, StepResult, Task, Verdict
+from canopy.envs.embedded import EmbeddedEnvironment
+from canopy.rollout.agent_loop import Budget, render_prompt, run_episodes
+from canopy.rollout.engine import SamplingParams
+from tests.scripted import ScriptedEngine
+
+BUDGET = Budget(max_turns=6, max_response_tokens=256, max_prompt_tokens=128, max_observation_tokens=32,
+                max_context_tokens=1024)
+T = SamplingParams()
+
+
+def task(start, tier, vault=0):
+    return Task(f"vault{vault}_s{start}_t{tier}", tier, f"vault{vault}", {"vault": vault, "start": start, "goal_end": start + tier})
+
+
+def test_masks_and_token_in_token_out(tokenizer):
+    env = EmbeddedEnvironment()
+    engine = ScriptedEngine(tokenizer, ["key", "unlock"])
+    [t], _ = run_episodes(engine, env, tokenizer, [(task(1, 2), 0)], BUDGET, T)
+    assert t.ending == "done" and t.verdict == Verdict(2, 2) and t.num_turns == 2
+    prompt = render_prompt(tokenizer, env.start(task(1, 2), 0).messages())
+    assert t.token_ids[: len(prompt)] == prompt and t.prompt_length == len(prompt)
+    assert t.action_mask[: len(prompt)] == [0] * len(prompt)
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    key = tokenizer.convert_tokens_to_ids("key")
+    unlock = tokenizer.convert_tokens_to_ids("unlock")
+    first = len(prompt)
+    assert t.token_ids[first : first + 2] == [key, im_end] and t.action_mask[first : first + 2] == [1, 1]
+    # the observation that follows is environment text: mask 0, ending in the assistant header
+    observation_end = len(t.token_ids) - 2
+    assert set(t.action_mask[first + 2 : observation_end]) == {0}
+    assert t.token_ids[-2:] == [unlock, im_end] and t.action_mask[-2:] == [1, 1]
+    assert tokenizer.convert_ids_to_tokens(t.token_ids[first + 2 : first + 5]) == ["\n", "<|im_start|>", "user"]
+    # the second engine call saw exactly the ids built so far: the past is never re-tokenized
+    assert engine.calls[1][0][0] == t.token_ids[:observation_end]
+    assert len(t.engine_logprobs) == len(t.token_ids) and t.response_tokens == 4
+
+
+def test_turn_limit_is_an_agent_ending_with_a_verdict(tokenizer):
+    engine = ScriptedEngine(tokenizer, ["hello"])
+    budget = Budget(**{**BUDGET.__dict__, "max_turns": 3})
+    [t], _ = run_episodes(engine, EmbeddedEnvironment(), tokenizer, [(task(0, 1), 0)], budget, T)
+    assert t.ending == "turn_limit" and t.num_turns == 3
+    assert t.verdict == Verdict(0, 1) and t.reward("sparse") == 0.0 and t.quarantine is None
+
+
+def test_response_budget_and_uncapped_turns(tokenizer):
+    engine = ScriptedEngine(tokenizer, ["a " * 40])
+    budget = Budget(**{**BUDGET.__dict__, "max_response_tokens": 100})
+    [t], _ = run_episodes(engine, EmbeddedEnvironment(), tokenizer, [(task(0, 1), 0)], budget, T)
+    assert engine.calls[0][1] == [100]  # no per-turn cap: a turn may use the whole remaining budget
+    assert engine.calls[1][1] == [100 - 41] and engine.calls[2][1] == [100 - 82]
+    assert t.ending == "token_budget" and t.truncated and t.response_tokens == 100
+
+
+def test_per_turn_cap_cuts_turns_without_ending_the_episode(tokenizer):
+    engine = ScriptedEngine(tokenizer, ["a a a a a a a a login"])
+    budget = Budget(**{**BUDGET.__dict__, "per_turn_generation_cap": 4, "max_turns": 2})
+    [t], _ = run_episodes(engine, EmbeddedEnvironment(), tokenizer, [(task(0, 1), 0)], budget, T)
+    assert [limits for _, limits in engine.calls] == [[4], [4]]
+    assert t.ending == "turn_limit" and t.response_tokens == 8
+
+
+def test_observation_is_capped(tokenizer):
+    class Chatty:
+        name = "chatty"
+
+        def start(self, task, seed):
+            return self
+
+        def messages(self):
+            return [{"role": "user", "content": "task : vault 1"}]
+
+        def step(self, action):
+            return StepResult("ok " * 50, done=False)
+
+        def verdict(self):
+            return Verdict(0, 1)
+
+        def close(self):
+            pass
+
+    engine = ScriptedEngine(tokenizer, ["login"])
+    budget = Budget(**{**BUDGET.__dict__, "max_observation_tokens": 5, "max_turns": 2})
+    [t], _ = run_episodes(engine, Chatty(), tokenizer, [(task(0, 1), 0)], budget, T)
+    ok = tokenizer.convert_tokens_to_ids("ok")
+    assert t.token_ids.count(ok) == 5
+
+
+def test_prompt_over_cap_is_a_clear_error(tokenizer):
+    budget = Budget(**{**BUDGET.__dict__, "max_prompt_tokens": 5})
+    with pytest.raises(ValueError, match="max_prompt_tokens"):
+        run_episodes(ScriptedEngine(tokenizer, ["x"]), EmbeddedEnvironment(), tokenizer, [(task(0, 1), 0)], budget, T)
+
+
+class FaultyEnv(EmbeddedEnvironment):
+    """Raises the given exception on the first step of every episode."""
+
+    def __init__(self, exception):
+        self.exception = exception
+
+    def start(self, task, seed):
+        episode = super().start(task, seed)
+        exception = self.exception
+
+        def step(action):
+            raise exception
+
+        episode.step = step
+        return episode
+
+
+def test_environment_fault_quarantines_and_agent_failure_scores_zero(tokenizer):
+    engine = ScriptedEngine(tokenizer, ["login"])
+    [q], _ = run_episodes(engine, FaultyEnv(EnvironmentFault("worker_dead")), tokenizer, [(task(0, 1), 0)], BUDGET, T)
+    assert q.ending == "quarantined" and q.quarantine == "worker_dead" and q.verdict is None
+    with pytest.raises(ValueError, match="quarantined"):
+        q.reward("sparse")
+    [f], _ = run_episodes(engine, FaultyEnv(AgentFailure("memory_blowup")), tokenizer, [(task(0, 1), 0)], BUDGET, T)
+    assert f.ending == "agent_failure" and f.agent_failure == "memory_blowup" and f.reward("sparse") == 0.0
+
+
+def test_episodes_are_batched_per_turn_and_returned_in_job_order(tokenizer):
+    jobs = [(task(0, 1), 0), (task(3, 1), 1), (task(0, 1), 2)]
+    engine = ScriptedEngine(tokenizer, ["login"])
+    trajectories, timings = run_episodes(engine, EmbeddedEnvironment(), tokenizer, jobs, BUDGET, T)
+    assert [t.sample_index for t in trajectories] == [0, 1, 2]
+    assert len(engine.calls[0][0]) == 3  # one batched call for all live episodes
+    assert [t.ending for t in trajectories] == ["done", "turn_limit", "done"]
+    assert set(timings) == {"generation", "env"}

@@ -1,0 +1,112 @@
+import math
+
+import pytest
+import torch
+
+from canopy.datamodules.rollout import RolloutDataModule, StaleWeightsError, pack, score_groups
+from canopy.envs.base import Task, Verdict
+from canopy.envs.embedded import EmbeddedEnvironment
+from canopy.rollout.agent_loop import Budget, Trajectory
+from canopy.rollout.engine import SamplingParams
+from tests.scripted import ScriptedEngine
+
+BUDGET = Budget(max_turns=4, max_response_tokens=64, max_prompt_tokens=128, max_observation_tokens=32,
+                max_context_tokens=512)
+
+
+def trajectory(task, i, success=None, quarantine=None, length=5):
+    t = Trajectory(task, i, list(range(length)), [0, 0] + [1] * (length - 2), [0.0] * length, 2)
+    if quarantine:
+        t.quarantine, t.ending = quarantine, "quarantined"
+    else:
+        t.verdict, t.ending = Verdict(int(success), 1), "done"
+    return t
+
+
+def datamodule(tokenizer, engine, **kwargs):
+    args = dict(split="train", tasks_per_step=3, group_size=4, budget=BUDGET, sampling=SamplingParams(), seed=0)
+    return RolloutDataModule(EmbeddedEnvironment(), engine, tokenizer, **{**args, **kwargs})
+
+
+def test_score_groups_quarantines_before_advantages():
+    a, b = Task("a", 1, "s"), Task("b", 3, "s")
+    trajectories = [
+        trajectory(a, 0, True), trajectory(a, 1, False), trajectory(a, 2, quarantine="worker_dead"), trajectory(a, 3, False),
+        trajectory(b, 0, False), trajectory(b, 1, False), trajectory(b, 2, False), trajectory(b, 3, False),
+    ]
+    survivors, advantages, stats = score_groups(trajectories, 4, "sparse")
+    assert len(survivors) == 7 and all(t.quarantine is None for t in survivors)
+    assert advantages[0].item() == pytest.approx(math.sqrt(2))  # lone success among the 3 survivors
+    assert advantages[3:].abs().sum().item() == 0.0  # the all-fail group carries no signal
+    assert stats["coverage/mixed"] == 0.5 and stats["coverage/all_fail"] == 0.5
+    assert stats["coverage/mixed_tier1"] == 1.0 and stats["coverage/mixed_tier3"] == 0.0
+    # the sensitivity ablation scores the quarantined episode 0 instead: the group has 4 members again
+    _, as_failure, _ = score_groups(trajectories, 4, "sparse", quarantine_as_failure=True)
+    assert as_failure[0].item() == pytest.approx(math.sqrt(3))
+
+
+def test_score_groups_refuses_a_lost_episode():
+    a = Task("a", 1, "s")
+    with pytest.raises(RuntimeError, match="lost"):
+        score_groups([trajectory(a, i, True) for i in range(3)], 4, "sparse")
+    with pytest.raises(RuntimeError, match="same-task"):
+        score_groups([trajectory(a, 0, True), trajectory(Task("b", 1, "s"), 1, True)], 2, "sparse")
+
+
+def test_pack_and_micro_batches_cover_every_sequence_once():
+    a = Task("a", 1, "s")
+    trajectories = [trajectory(a, i, i % 2 == 0, length=3 + 2 * i) for i in range(6)]
+    batch = pack(trajectories, torch.arange(6.0), pad_token_id=0, version=3)
+    assert batch.input_ids.shape == (6, 13) and batch.weight_version == 3
+    assert batch.num_action_tokens == sum(t.action_mask[1:].count(1) for t in trajectories)
+    groups = batch.micro_batches(max_tokens=26)
+    assert sorted(torch.cat(groups).tolist()) == list(range(6))
+    for group in groups:
+        assert int(batch.lengths[group].max()) * len(group) <= 26 or len(group) == 1
+    sub = batch.select(torch.tensor([0, 1]))
+    assert sub.input_ids.shape == (2, 5) and torch.equal(sub.advantages, torch.tensor([0.0, 1.0]))
+
+
+def test_next_batch_runs_groups_and_logs_metrics(tokenizer):
+    dm = datamodule(tokenizer, ScriptedEngine(tokenizer, ["login", "key", "unlock"]))
+    batch = next(iter(dm.train_dataloader()))
+    assert len(batch.lengths) == 12 and batch.weight_version == 0
+    m = batch.metrics
+    assert m["rollout/episodes"] == 12 and m["rollout/quarantined"] == 0
+    assert 0.0 <= m["reward/success"] <= 1.0 and "time/generation" in m and "rollout/turns" in m
+    assert batch.input_ids.shape[1] == int(batch.lengths.max())
+
+
+def test_stale_weight_version_is_refused(tokenizer):
+    engine = ScriptedEngine(tokenizer, ["login"])
+    dm = datamodule(tokenizer, engine)
+    dm.sync_weights({}, version=1)
+    assert next(iter(dm.train_dataloader())).weight_version == 1
+    engine.weight_version = 0  # the engine missed a sync: its samples come from older weights
+    with pytest.raises(StaleWeightsError, match="version"):
+        dm.next_batch()
+
+
+def test_a_task_drawn_twice_in_one_step_forms_two_groups(tokenizer):
+    dm = datamodule(tokenizer, ScriptedEngine(tokenizer, ["login"]), tasks_per_step=5, group_size=2)
+    dm.tasks = dm.tasks[:3]  # a 3-task pool: a 5-task step straddles two epochs
+    batch = dm.next_batch()
+    assert len(batch.lengths) == 10
+
+
+def test_task_sampler_walks_epochs_and_resumes(tokenizer):
+    dm = datamodule(tokenizer, ScriptedEngine(tokenizer, ["login"]), tasks_per_step=7)
+    pool = len(dm.tasks)
+    seen = [t.task_id for _ in range(pool) for t in dm.sample_tasks()]
+    first_epoch = seen[:pool]
+    assert sorted(first_epoch) == sorted(t.task_id for t in dm.tasks)  # every task once per epoch
+    state = dm.state_dict()
+    following = [t.task_id for t in dm.sample_tasks()]
+    dm2 = datamodule(tokenizer, ScriptedEngine(tokenizer, ["login"]), tasks_per_step=7)
+    dm2.load_state_dict(state)
+    assert [t.task_id for t in dm2.sample_tasks()] == following
+
+
+def test_drop_hardest_removes_the_top_tier(tokenizer):
+    dm = datamodule(tokenizer, ScriptedEngine(tokenizer, ["login"]), drop_hardest=True)
+    assert {t.tier for t in dm.tasks} == {1, 2}

@@ -1,0 +1,73 @@
+import pytest
+
+from canopy.envs.embedded import ACTIONS, VOCABULARY, EmbeddedEnvironment, make_tasks
+
+
+def solve(episode):
+    """The optimal policy: always take the chain step the status line names."""
+    status_to_action = {"guest": "login", "keyless": "key", "locked": "unlock", "shut": "open"}
+    status = episode.messages()[-1]["content"].split()[-1]
+    for turn in range(1, 10):
+        result = episode.step(f"{status_to_action[status]}")
+        if result.done:
+            return turn
+        status = result.observation.split()[-1]
+    raise AssertionError("not solved")
+
+
+@pytest.mark.parametrize("split", ["train", "dev", "test"])
+def test_every_task_is_solvable_in_tier_turns(split):
+    env = EmbeddedEnvironment()
+    tasks = env.tasks(split)
+    assert {t.tier for t in tasks} == {1, 2, 3}
+    for task in tasks:
+        episode = env.start(task, seed=0)
+        assert solve(episode) == task.tier
+        verdict = episode.verdict()
+        assert verdict.success and verdict.passed == verdict.total == task.tier
+
+
+def test_splits_are_disjoint_and_scenarios_group_vaults():
+    train, dev = {t.task_id for t in make_tasks("train")}, {t.task_id for t in make_tasks("dev")}
+    assert train and dev and not train & dev
+    assert all(t.scenario in t.task_id for t in make_tasks("train"))
+    with pytest.raises(ValueError, match="unknown split"):
+        make_tasks("validation")
+
+
+def test_actions_toggle_so_feedback_matters():
+    env = EmbeddedEnvironment()
+    task = next(t for t in make_tasks("train") if t.spec["start"] == 1 and t.tier == 3)  # logged in already
+    episode = env.start(task, 0)
+    assert episode.messages()[-1]["content"].endswith("status : keyless")
+    result = episode.step("login")  # a blind script that starts over logs the agent out
+    assert result.observation == "ok : login . status : guest" and not result.done
+    assert episode.step("key").observation == "error : key . status : guest"  # precondition unmet: no change
+    assert episode.step("no command here").observation == "error : no command . status : guest"
+
+
+def test_dense_and_sparse_rewards_from_state_checks():
+    task = next(t for t in make_tasks("train") if t.spec["start"] == 0 and t.tier == 3)
+    episode = EmbeddedEnvironment().start(task, 0)
+    episode.step("login")
+    episode.step("key")
+    verdict = episode.verdict()
+    assert (verdict.passed, verdict.total) == (2, 3)
+    assert verdict.reward("sparse") == 0.0 and verdict.reward("dense") == pytest.approx(2 / 3)
+
+
+def test_first_command_word_counts():
+    task = next(t for t in make_tasks("train") if t.spec["start"] == 0 and t.tier == 1)
+    episode = EmbeddedEnvironment().start(task, 0)
+    assert episode.step("vault 3 login open key").done
+
+
+def test_vocabulary_covers_everything_the_env_prints():
+    env = EmbeddedEnvironment()
+    words = set(VOCABULARY)
+    for task in env.tasks("train") + env.tasks("test"):
+        episode = env.start(task, 0)
+        for message in episode.messages():
+            assert set(message["content"].split()) <= words
+        for action in ACTIONS + ("junk",):
+            assert set(episode.step(action).observation.split()) <= words

@@ -1,0 +1,71 @@
+import torch
+
+from canopy.modules.policy import export_hf_state_dict, load_policy
+from canopy.rollout.engine import LocalEngine, SamplingParams, filter_logits
+
+
+def engine_for(tiny_path, tokenizer, seed=0):
+    stop = [tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.convert_tokens_to_ids("<|endoftext|>")]
+    return LocalEngine(tiny_path, stop, tokenizer.pad_token_id, seed=seed)
+
+
+def test_generation_respects_limits_stops_and_reports_logprobs(tiny_path, tokenizer):
+    engine = engine_for(tiny_path, tokenizer)
+    prompts = [tokenizer.encode("task : vault 1", add_special_tokens=False), tokenizer.encode("goal", add_special_tokens=False)]
+    out = engine.generate(prompts, [5, 40], SamplingParams(temperature=0.9))
+    assert len(out[0].token_ids) <= 5 and len(out[1].token_ids) <= 40
+    for generation, limit in zip(out, [5, 40]):
+        assert len(generation.logprobs) == len(generation.token_ids) and generation.weight_version == 0
+        stopped = generation.token_ids[-1] in engine.stop_token_ids.tolist()
+        assert generation.finish_reason == ("stop" if stopped else "length")
+        assert stopped or len(generation.token_ids) == limit
+        assert not any(t in engine.stop_token_ids.tolist() for t in generation.token_ids[:-1])
+
+
+def test_engine_logprobs_equal_the_policy_logprobs_at_temperature(tiny_path, tokenizer):
+    """Left-padded, KV-cached sampling scores tokens exactly as a full forward of the trainer's model does."""
+    engine = engine_for(tiny_path, tokenizer, seed=3)
+    policy, _ = load_policy(tiny_path)
+    prompts = [tokenizer.encode("task : vault 1 . status : guest", add_special_tokens=False), [5, 6]]
+    out = engine.generate(prompts, [12, 12], SamplingParams(temperature=0.7))
+    for prompt, generation in zip(prompts, out):
+        ids = torch.tensor([prompt + generation.token_ids])
+        with torch.no_grad():
+            logp = torch.log_softmax(policy(ids)[0, :-1] / 0.7, -1)
+        expected = logp[len(prompt) - 1 :].gather(-1, ids[0, len(prompt) :, None]).squeeze(-1)
+        assert torch.allclose(torch.tensor(generation.logprobs), expected, atol=1e-4)
+
+
+def test_weight_sync_changes_outputs_and_version(tiny_path, tokenizer):
+    engine = engine_for(tiny_path, tokenizer)
+    policy, adapter = load_policy(tiny_path)
+    prompt = tokenizer.encode("task : vault 1", add_special_tokens=False)
+    greedy = SamplingParams(temperature=1.0, top_k=1)
+    before = engine.generate([prompt], [8], greedy)[0]
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(1)) * 0.3)
+    engine.update_weights(export_hf_state_dict(policy, adapter), version=7)
+    after = engine.generate([prompt], [8], greedy)[0]
+    assert after.weight_version == 7 and before.weight_version == 0
+    assert after.token_ids != before.token_ids
+    ids = torch.tensor([prompt + after.token_ids])
+    with torch.no_grad():
+        logp = torch.log_softmax(policy(ids)[0, :-1], -1)[len(prompt) - 1 :].gather(-1, ids[0, len(prompt) :, None])
+    assert torch.allclose(torch.tensor(after.logprobs), logp.squeeze(-1), atol=1e-4)
+
+
+def test_same_seed_same_samples(tiny_path, tokenizer):
+    prompt = [tokenizer.encode("task : vault 1", add_special_tokens=False)] * 3
+    a = engine_for(tiny_path, tokenizer, seed=5).generate(prompt, [10] * 3, SamplingParams())
+    b = engine_for(tiny_path, tokenizer, seed=5).generate(prompt, [10] * 3, SamplingParams())
+    assert [g.token_ids for g in a] == [g.token_ids for g in b]
+
+
+def test_top_k_and_top_p_filters():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    assert torch.isinf(filter_logits(logits, 2, 1.0)[0, 2:]).all()
+    assert not torch.isinf(filter_logits(logits, 2, 1.0)[0, :2]).any()
+    nucleus = filter_logits(logits, -1, 0.7)  # 0.5 + 0.3 crosses 0.7: keep two
+    assert (~torch.isinf(nucleus)).sum().item() == 2
+    assert torch.equal(filter_logits(logits, -1, 1.0), logits)
