@@ -17,8 +17,8 @@ from canopy.tiny_checkpoint import build_tiny_checkpoint
 def ensure_model(cfg: DictConfig) -> str:
     """The checkpoint directory; the embedded default builds its tiny random Qwen3 there on first use."""
     path = Path(cfg.model.path)
-    if cfg.model.build_tiny and not (path / "config.json").is_file():
-        build_tiny_checkpoint(path, seed=cfg.seed)
+    if cfg.model.tiny and not (path / "config.json").is_file():
+        build_tiny_checkpoint(path, seed=cfg.seed, **cfg.model.tiny)
     return str(path)
 
 

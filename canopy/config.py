@@ -38,10 +38,9 @@ def validate(cfg: DictConfig) -> None:
              f"algorithm.loss_aggregation={a.loss_aggregation!r} is unknown: use token-mean (the recipe) or seq-mean")
     _require(a.reward in ("sparse", "dense"), f"algorithm.reward={a.reward!r} is unknown: use sparse or dense")
     _require(a.entropy_coef >= 0, f"algorithm.entropy_coef={a.entropy_coef} must be >= 0 (the recipe uses 0)")
+    _require(_is_int(d.tasks_per_step) and d.tasks_per_step >= 1, f"data.tasks_per_step={d.tasks_per_step} must be >= 1")
     _require(_is_int(a.minibatches_per_step) and 1 <= a.minibatches_per_step <= d.tasks_per_step * a.group_size,
              f"algorithm.minibatches_per_step={a.minibatches_per_step}: use 1 (strict on-policy) up to the episodes per step")
-
-    _require(_is_int(d.tasks_per_step) and d.tasks_per_step >= 1, f"data.tasks_per_step={d.tasks_per_step} must be >= 1")
     for key in ("max_turns", "max_response_tokens", "max_prompt_tokens", "max_observation_tokens", "max_context_tokens"):
         _require(_is_int(b[key]) and b[key] >= 1, f"budget.{key}={b[key]} must be a positive integer")
     _require(b.per_turn_generation_cap is None or (_is_int(b.per_turn_generation_cap) and b.per_turn_generation_cap >= 1),
@@ -61,6 +60,6 @@ def validate(cfg: DictConfig) -> None:
     _require(cfg.env.name in ENVIRONMENTS, f"env.name={cfg.env.name!r} is unknown: use one of {', '.join(ENVIRONMENTS)}")
     _require(cfg.engine.name in ENGINES, f"engine.name={cfg.engine.name!r} is unknown: use one of {', '.join(ENGINES)}")
     _require(cfg.model.path is not None, "model.path is not set: pass model.path=/path/to/hf_checkpoint (config.json + *.safetensors + tokenizer)")
-    if not cfg.model.build_tiny:
+    if not cfg.model.tiny:
         _require(Path(cfg.model.path).is_dir(),
                  f"model.path '{cfg.model.path}' does not exist: point it at an HF checkpoint directory (config.json + *.safetensors + tokenizer)")

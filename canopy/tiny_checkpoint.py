@@ -1,12 +1,20 @@
 """Build a tiny HF-format Qwen3 checkpoint locally: config.json, model.safetensors and a word-level tokenizer
 with Qwen's special tokens and chat template. Used by the embedded default and the tests; nothing is downloaded.
 
-    python -m canopy.tiny_checkpoint OUT_DIR [--hidden-size 64 --layers 2 --seed 0]
+The weights are randomly initialized. With `--format-warmup-steps N > 0` the random model is then briefly
+"pretrained" on transcripts of the embedded vault world in which every assistant reply first restates the
+status (`locked`) and then gives a command drawn uniformly at random,
+independent of the state. The base model learns the reply format, as a real base model knows how to reason
+and write code, but not which command solves a task: that is what RL has to find, and the base policy's
+success stays at the random-policy rates.
+
+    python -m canopy.tiny_checkpoint OUT_DIR [--hidden-size 64 --layers 2 --format-warmup-steps 0 --seed 0]
 """
 
 import argparse
 import json
 import os
+import random
 import shutil
 import tempfile
 from pathlib import Path
@@ -16,7 +24,7 @@ from tokenizers import Tokenizer, pre_tokenizers
 from tokenizers.models import WordLevel
 from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
-from canopy.envs.embedded import VOCABULARY
+from canopy.envs.embedded import ACTIONS, VOCABULARY, EmbeddedEnvironment
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
 CHAT_WORDS = ["\n", "system", "user", "assistant", "<unk>"]
@@ -47,6 +55,61 @@ def build_tokenizer(words=VOCABULARY) -> PreTrainedTokenizerFast:
     )
 
 
+def random_command_transcripts(
+    tokenizer, count: int, max_turns: int, seed: int, junk_rate: float = 0.2
+) -> list[tuple[list[int], list[int]]]:
+    """(token ids, action mask) of vault-world episodes played by a uniformly random command policy that
+    sometimes adds or substitutes a stray word, so the base model keeps some off-format exploration."""
+    from canopy.rollout.agent_loop import render_observation, render_prompt
+
+    rng = random.Random(seed)
+    env = EmbeddedEnvironment()
+    tasks = env.tasks("train")
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    transcripts = []
+    for _ in range(count):
+        episode = env.start(rng.choice(tasks), seed=0)
+        ids = render_prompt(tokenizer, episode.messages())
+        mask = [0] * len(ids)
+        status = episode.messages()[-1]["content"].split()[-1]
+        for _ in range(max_turns):
+            reply = [rng.choice(ACTIONS)]
+            if rng.random() < junk_rate:  # a stray word before the command, or instead of it
+                reply = [rng.choice(VOCABULARY)] + (reply if rng.random() < 0.5 else [])
+            reply = [status] + reply  # restate the status, then act
+            ids += [tokenizer.convert_tokens_to_ids(word) for word in reply] + [im_end]
+            mask += [1] * (len(reply) + 1)
+            result = episode.step(" ".join(reply[1:]))
+            if result.done:
+                break
+            status = result.observation.split()[-1]
+            observation = render_observation(tokenizer, result.observation, cap=64, close_turn=False)
+            ids += observation
+            mask += [0] * len(observation)
+        transcripts.append((ids, mask))
+    return transcripts
+
+
+def format_warmup(model, tokenizer, steps: int, seed: int, batch_size: int = 32, lr: float = 3e-3) -> None:
+    """Supervised warm-up on random-command transcripts (loss on the reply tokens only)."""
+    data = random_command_transcripts(tokenizer, steps * batch_size, max_turns=5, seed=seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    model.train()
+    for step in range(steps):
+        chunk = data[step * batch_size : (step + 1) * batch_size]
+        width = max(len(ids) for ids, _ in chunk)
+        input_ids = torch.full((len(chunk), width), tokenizer.pad_token_id)
+        labels = torch.full((len(chunk), width), -100)
+        for row, (ids, mask) in enumerate(chunk):
+            input_ids[row, : len(ids)] = torch.tensor(ids)
+            labels[row, : len(ids)] = torch.where(torch.tensor(mask, dtype=torch.bool), torch.tensor(ids), -100)
+        loss = model(input_ids=input_ids, labels=labels).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    model.eval()
+
+
 def build_tiny_checkpoint(
     out_dir: str | Path,
     *,
@@ -56,9 +119,10 @@ def build_tiny_checkpoint(
     kv_heads: int = 2,
     intermediate_size: int = 192,
     max_position_embeddings: int = 2048,
+    format_warmup_steps: int = 0,
     seed: int = 0,
 ) -> Path:
-    """Write a randomly initialized Qwen3 (HF format) and its tokenizer to `out_dir`, atomically."""
+    """Write a randomly initialized (optionally format-warmed) Qwen3 in HF format and its tokenizer, atomically."""
     out_dir = Path(out_dir)
     tokenizer = build_tokenizer()
     config = Qwen3Config(
@@ -77,6 +141,8 @@ def build_tiny_checkpoint(
     )
     torch.manual_seed(seed)
     model = Qwen3ForCausalLM(config)
+    if format_warmup_steps:
+        format_warmup(model, tokenizer, format_warmup_steps, seed)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".tiny-qwen3-", dir=out_dir.parent))
     model.save_pretrained(staging)
@@ -92,9 +158,16 @@ def main() -> None:
     parser.add_argument("out_dir")
     parser.add_argument("--hidden-size", type=int, default=64)
     parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--format-warmup-steps", type=int, default=0)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    path = build_tiny_checkpoint(args.out_dir, hidden_size=args.hidden_size, layers=args.layers, seed=args.seed)
+    path = build_tiny_checkpoint(
+        args.out_dir,
+        hidden_size=args.hidden_size,
+        layers=args.layers,
+        format_warmup_steps=args.format_warmup_steps,
+        seed=args.seed,
+    )
     print(json.dumps({"path": str(path), "vocab_size": len(build_tokenizer())}))
 
 

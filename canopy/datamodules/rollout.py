@@ -146,13 +146,19 @@ def rollout_metrics(trajectories: list[Trajectory], reward_kind: str) -> dict[st
 
 
 class RolloutStream:
-    """The iterable Lightning pulls from: each `next()` runs one full rollout step."""
+    """The iterable Lightning pulls from: each `next()` runs one full rollout step. Its length (the trainer's
+    max_steps, when known) only sizes the progress bar and its ETA."""
 
-    def __init__(self, datamodule: "RolloutDataModule"):
-        self.datamodule = datamodule
+    def __init__(self, datamodule: "RolloutDataModule", length: int | None = None):
+        self.datamodule, self.length = datamodule, length
 
     def __iter__(self):
         return self
+
+    def __len__(self) -> int:
+        if self.length is None:
+            raise TypeError("this rollout stream is endless")
+        return self.length
 
     def __next__(self) -> RolloutBatch:
         return self.datamodule.next_batch()
@@ -196,7 +202,8 @@ class RolloutDataModule(L.LightningDataModule):
         self.step = 0
 
     def train_dataloader(self) -> RolloutStream:
-        return RolloutStream(self)
+        max_steps = self.trainer.max_steps if self.trainer is not None and self.trainer.max_steps > 0 else None
+        return RolloutStream(self, max_steps)
 
     def state_dict(self) -> dict:
         return {"sampler": dict(self.sampler_state), "step": self.step}

@@ -1,0 +1,120 @@
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from canopy.build import build_engine, build_env
+from canopy.config import ConfigError, validate
+
+CONF = str(Path(__file__).resolve().parents[1] / "conf")
+
+
+def config(*overrides):
+    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+        return compose("train", overrides=list(overrides))
+
+
+def test_default_is_the_embedded_experiment_and_valid():
+    cfg = config()
+    validate(cfg)
+    assert cfg.env.name == "embedded" and cfg.engine.name == "local" and cfg.model.tiny
+    assert cfg.algorithm.minibatches_per_step == 1 and cfg.algorithm.loss_aggregation == "token-mean"
+    assert cfg.budget.per_turn_generation_cap is None
+
+
+def test_appworld_experiment_holds_table_a1():
+    cfg = config("experiment=appworld_canopy", "model.path=/models/qwen3-14b")
+    a = cfg.algorithm
+    assert (a.group_size, a.kl_coef, a.clip_low, a.clip_high, a.entropy_coef) == (32, 1e-4, 0.2, 0.2, 0.0)
+    assert (a.reward, a.loss_aggregation, a.minibatches_per_step) == ("sparse", "token-mean", 1)
+    assert (cfg.data.tasks_per_step, cfg.optim.lr, cfg.trainer.max_steps) == (90, 3e-6, 90)
+    b = cfg.budget
+    assert (b.max_turns, b.max_response_tokens, b.max_prompt_tokens, b.max_observation_tokens) == (50, 32768, 4096, 4096)
+    assert b.per_turn_generation_cap is None and cfg.sampling.temperature == 0.9
+
+
+def test_swebench_experiment_holds_table_a3():
+    cfg = config("experiment=swebench_canopy", "model.path=/models/qwen3.5-9b")
+    assert (cfg.algorithm.group_size, cfg.algorithm.kl_coef, cfg.optim.lr) == (16, 1e-2, 4e-6)
+    assert (cfg.data.tasks_per_step, cfg.trainer.max_steps, cfg.sampling.temperature) == (64, 260, 1.0)
+    assert (cfg.budget.max_turns, cfg.budget.max_response_tokens) == (80, 36864)
+
+
+def test_enlarged_budget_matches_appendix_i():
+    cfg = config("experiment=appworld_canopy", "model.path=/m", "budget=enlarged")
+    assert (cfg.budget.max_turns, cfg.budget.max_context_tokens) == (100, 61440)
+    assert cfg.budget.rope_scaling.factor == 1.5 and cfg.budget.rope_scaling.original_max_position_embeddings == 40960
+    assert (cfg.sampling.temperature, cfg.sampling.top_k, cfg.sampling.top_p) == (0.6, 20, 0.95)
+
+
+@pytest.mark.parametrize(
+    "ablation,key,value",
+    [
+        ("n8", "algorithm.group_size", 8),
+        ("no_kl", "algorithm.kl_coef", 0.0),
+        ("seq_mean", "algorithm.loss_aggregation", "seq-mean"),
+        ("drop_hardest", "data.drop_hardest", True),
+        ("dense_reward", "algorithm.reward", "dense"),
+        ("half_minibatch", "algorithm.minibatches_per_step", 2),
+        ("quarantine_as_failure", "algorithm.quarantine_as_failure", True),
+    ],
+)
+def test_each_ablation_changes_one_thing(ablation, key, value):
+    base, ablated = config("experiment=appworld_canopy", "model.path=/m"), config(
+        "experiment=appworld_canopy", "model.path=/m", f"ablation={ablation}"
+    )
+    section, name = key.split(".")
+    assert ablated[section][name] == value
+    for s in ("algorithm", "data", "optim", "budget", "sampling"):
+        for k in base[s]:
+            if (s, k) != (section, name):
+                assert base[s][k] == ablated[s][k], f"{ablation} also changed {s}.{k}"
+
+
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("algorithm.group_size=1", "group_size"),
+        ("algorithm.kl_coef=-0.1", "kl_coef"),
+        ("algorithm.loss_aggregation=sum", "loss_aggregation"),
+        ("algorithm.reward=shaped", "reward"),
+        ("algorithm.clip_low=1.5", "clip_low"),
+        ("sampling.temperature=0", "temperature"),
+        ("sampling.top_p=1.5", "top_p"),
+        ("budget.max_turns=0", "max_turns"),
+        ("data.tasks_per_step=0", "tasks_per_step"),
+        ("optim.lr=0", "lr"),
+        ("env.name=webshop", "env.name"),
+        ("model.tiny=null", "does not exist"),
+    ],
+)
+def test_invalid_values_fail_with_the_key_named(override, message):
+    with pytest.raises(ConfigError, match=message):
+        validate(config(override, "model.path=/no/such/dir"))
+
+
+def test_missing_model_path_names_the_fix():
+    with pytest.raises(ConfigError, match="model.path"):
+        validate(config("experiment=appworld_canopy"))
+
+
+def test_unbuilt_components_say_so():
+    cfg = config("env.name=appworld", "engine.name=sglang")
+    with pytest.raises(ConfigError, match="env.name"):
+        build_env(cfg)
+    with pytest.raises(ConfigError, match="engine.name"):
+        build_engine(cfg, "/m", tokenizer=None)
+
+
+def test_cli_prints_one_line_and_fails():
+    run = subprocess.run(
+        [sys.executable, "train.py", "algorithm.group_size=1"],
+        cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=300,
+    )
+    assert run.returncode != 0
+    assert run.stderr.strip().splitlines() == [
+        "config error: algorithm.group_size=1: group-relative advantages need >= 2 rollouts per task; "
+        "set algorithm.group_size >= 2"
+    ]
