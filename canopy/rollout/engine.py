@@ -81,10 +81,11 @@ class LocalEngine:
                 input_ids=step_ids,
                 attention_mask=attention_mask,
                 position_ids=step_positions,
-                past_key_values=cache,
+                cache=cache,
                 use_cache=True,
+                logits_to_keep=1,
             )
-            cache = out.past_key_values
+            cache = out.cache
             scaled = out.logits[:, -1, :].float() / sampling.temperature
             token_logprobs = torch.log_softmax(scaled, dim=-1)
             probs = torch.softmax(filter_logits(scaled, sampling.top_k, sampling.top_p), dim=-1)
