@@ -8,6 +8,7 @@ from lightning.pytorch.callbacks import Callback
 from canopy.datamodules.rollout import RolloutDataModule
 from canopy.envs.embedded import EmbeddedEnvironment
 from canopy.modules.canopy_module import CanopyModule
+from canopy.modules.policy import export_hf_state_dict, load_policy
 from canopy.rollout.agent_loop import Budget
 from canopy.rollout.engine import LocalEngine, SamplingParams
 
@@ -48,14 +49,15 @@ def test_one_optimizer_step_per_rollout_batch_and_weights_reach_the_engine(tiny_
     assert len(recorder.steps) == 2 and trainer.global_step == 2 and dm.step == 2
     assert module.weight_version == 2 == dm.engine.weight_version == dm.trainer_version
     engine_weights = dm.engine.model.state_dict()
-    from canopy.modules.policy import export_hf_state_dict
-
     for name, value in export_hf_state_dict(module.policy, module.adapter).items():
         assert torch.equal(engine_weights[name], value), name
-    # the reference never moves
-    for (name, ref), (_, base) in zip(module.reference.state_dict().items(), make(tiny_path, tokenizer)[1].state_dict().items()):
-        pass
+    # the policy moved; the reference is still the base checkpoint and takes no gradient
+    base, _ = load_policy(tiny_path)
+    assert not torch.equal(module.policy.lm_head.weight, base.lm_head.weight)
+    for name, value in base.state_dict().items():
+        assert torch.equal(module.reference.state_dict()[name], value), name
     assert all(not p.requires_grad for p in module.reference.parameters())
+    assert "reference.lm_head.weight" not in module.state_dict()  # checkpoints hold the policy only
 
 
 def test_micro_batches_only_accumulate(tiny_path, tokenizer):
@@ -84,3 +86,14 @@ def test_stale_batch_is_refused_by_the_module(tiny_path, tokenizer):
     module.weight_version = 5  # e.g. a resumed policy whose engine was never synced
     with pytest.raises(RuntimeError, match="stale"):
         fit(dm, module, steps=1)
+
+
+def test_policy_only_state_dict_round_trips_strictly(tiny_path, tokenizer):
+    _, module = make(tiny_path, tokenizer)
+    module.configure_model()
+    state = module.state_dict()
+    assert state and all(k.startswith("policy.") for k in state)
+    module.load_state_dict(state)  # the reference is rebuilt from model_path, not stored
+    del state["policy.lm_head.weight"]
+    with pytest.raises(RuntimeError, match="missing"):
+        module.load_state_dict(state)

@@ -66,7 +66,11 @@ class CanopyModule(L.LightningModule):
         return {k: v for k, v in super().state_dict(*args, **kwargs).items() if not k.startswith("reference.")}
 
     def load_state_dict(self, state_dict, strict: bool = True, **kwargs):
-        return super().load_state_dict(state_dict, strict=False, **kwargs)
+        result = super().load_state_dict(state_dict, strict=False, **kwargs)
+        missing = [k for k in result.missing_keys if not k.startswith("reference.")]
+        if strict and (missing or result.unexpected_keys):
+            raise RuntimeError(f"checkpoint does not match the policy: missing {missing}, unexpected {result.unexpected_keys}")
+        return result
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         checkpoint["weight_version"] = self.weight_version

@@ -99,7 +99,9 @@ def read_hf_weights(path: str | Path) -> dict[str, torch.Tensor]:
 def load_policy(path: str | Path, dtype: torch.dtype = torch.float32) -> tuple[Qwen3Model, Qwen3StateDictAdapter]:
     """Build a TorchTitan Qwen3 from `path` and load its HF weights exactly (strict)."""
     config = qwen3_config_from_hf(read_hf_config(path))
-    adapter = Qwen3StateDictAdapter(config, str(path))
+    # the adapter reads the path only for a sharded checkpoint's index; a single-file checkpoint needs none
+    sharded = (Path(path) / "model.safetensors.index.json").is_file()
+    adapter = Qwen3StateDictAdapter(config, str(path) if sharded else None)
     with torch.device("meta"):
         model = config.build()
     model.to_empty(device="cpu")
