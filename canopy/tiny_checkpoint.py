@@ -38,9 +38,12 @@ CHAT_TEMPLATE = (
 )
 
 
-def build_tokenizer(words=VOCABULARY) -> PreTrainedTokenizerFast:
-    """Word-level tokenizer: one id per word, newlines kept as tokens, spaces dropped."""
-    vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS + CHAT_WORDS + sorted(set(words) - set(CHAT_WORDS)))}
+def build_tokenizer(words=VOCABULARY, pad_vocab_multiple: int = 1) -> PreTrainedTokenizerFast:
+    """Word-level tokenizer: one id per word, newlines kept as tokens, spaces dropped. Reserved tokens pad the
+    vocabulary to a multiple of `pad_vocab_multiple`, as Qwen pads its own, so it shards evenly."""
+    tokens = SPECIAL_TOKENS + CHAT_WORDS + sorted(set(words) - set(CHAT_WORDS))
+    tokens += [f"<|reserved_{i}|>" for i in range(-len(tokens) % pad_vocab_multiple)]
+    vocab = {token: i for i, token in enumerate(tokens)}
     model = Tokenizer(WordLevel(vocab=vocab, unk_token="<unk>"))
     model.pre_tokenizer = pre_tokenizers.Sequence(
         [pre_tokenizers.Split(" ", behavior="removed"), pre_tokenizers.Split("\n", behavior="isolated")]
@@ -120,11 +123,12 @@ def build_tiny_checkpoint(
     intermediate_size: int = 192,
     max_position_embeddings: int = 2048,
     format_warmup_steps: int = 0,
+    pad_vocab_multiple: int = 1,
     seed: int = 0,
 ) -> Path:
     """Write a randomly initialized (optionally format-warmed) Qwen3 in HF format and its tokenizer, atomically."""
     out_dir = Path(out_dir)
-    tokenizer = build_tokenizer()
+    tokenizer = build_tokenizer(pad_vocab_multiple=pad_vocab_multiple)
     config = Qwen3Config(
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,

@@ -13,3 +13,9 @@ def tiny_path(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tokenizer(tiny_path):
     return AutoTokenizer.from_pretrained(tiny_path)
+
+
+@pytest.fixture(scope="session")
+def tiny_path_even_vocab(tmp_path_factory):
+    """The same tiny Qwen3 with its vocabulary padded to a multiple of 8, so every dimension shards evenly."""
+    return build_tiny_checkpoint(tmp_path_factory.mktemp("ckpt8") / "tiny-qwen3", seed=0, pad_vocab_multiple=8)

@@ -1,0 +1,147 @@
+"""Sharding the policy with TorchTitan: FSDP2 (data-parallel shard) x tensor parallel (+ sequence parallel),
+and context parallel on GPUs, from the device mesh of Lightning's `ModelParallelStrategy`.
+
+The model is built on the meta device, parallelized by TorchTitan's own `parallelize_qwen3`, then filled from
+the HF checkpoint one tensor at a time: each rank memory-maps the safetensors, converts one HF tensor to its
+TorchTitan name and keeps only its own shard of it, so no rank ever materializes the whole model.
+"""
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+from canopy.config import ConfigError
+from safetensors import safe_open
+
+from canopy.modules.policy import qwen3_config_from_hf, read_hf_config
+
+
+@dataclass(frozen=True)
+class ParallelSettings:
+    """`parallelism.*` keys: degrees of each dimension and the FSDP numerics."""
+
+    dp_shard: int = 1
+    tp: int = 1
+    cp: int = 1
+    sequence_parallel: bool = True
+    mixed_precision: str = "float32"  # FSDP compute dtype: float32 | bfloat16 (reductions stay float32)
+
+
+def unwrap(tensor: torch.Tensor) -> torch.Tensor:
+    """A plain tensor: DTensors are gathered (a collective: every rank must call it)."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def build_parallel_policy(path: str | Path, settings: ParallelSettings, world_size: int, device: torch.device):
+    """Meta-build a TorchTitan Qwen3, parallelize it over `world_size` processes, and load its HF weights."""
+    from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
+    from torchtitan.distributed import ParallelDims
+    import torchtitan.distributed.parallel_dims as parallel_dims_module
+    from torchtitan.models.qwen3 import parallelize_qwen3
+    from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter
+
+    if settings.dp_shard * settings.tp * settings.cp != world_size:
+        raise ConfigError(
+            f"parallelism.dp_shard={settings.dp_shard} x tp={settings.tp} x cp={settings.cp} must equal the "
+            f"{world_size} processes (trainer.devices x nodes)"
+        )
+    if settings.cp > 1 and device.type != "cuda":
+        raise ConfigError("parallelism.cp > 1 needs GPUs: SDPA has no CPU sharding rule for context parallel")
+    parallel_dims_module.device_type = device.type  # TorchTitan builds its meshes on this device type
+    parallelism = ParallelismConfig(
+        data_parallel_shard_degree=settings.dp_shard,
+        tensor_parallel_degree=settings.tp,
+        context_parallel_degree=settings.cp,
+        enable_sequence_parallel=settings.sequence_parallel,
+        spmd_backend="partial_dtensor",
+    )
+    dims = ParallelDims.from_config(parallelism, world_size)
+    dims.build_mesh()
+    config = qwen3_config_from_hf(read_hf_config(path))
+    if settings.dp_shard > 1 and settings.tp > 1 and config.vocab_size % (settings.dp_shard * settings.tp):
+        raise ConfigError(
+            f"vocab_size={config.vocab_size} must be divisible by dp_shard x tp = {settings.dp_shard * settings.tp} "
+            "for FSDP x TP: pad the vocabulary (Qwen3's 151,936 is) or use one of the two"
+        )
+    config.update_from_config(config=_WithParallelism(parallelism))
+    with torch.device("meta"):
+        model = config.build()
+    parallelize_qwen3(
+        model,
+        parallel_dims=dims,
+        training=TrainingConfig(mixed_precision_param=settings.mixed_precision, mixed_precision_reduce="float32"),
+        parallelism=parallelism,
+        compile_config=CompileConfig(),
+        ac_config=None,
+        dump_folder="/tmp",
+    )
+    model.to_empty(device=device)
+    model.init_states(buffer_device=device)
+    adapter = Qwen3StateDictAdapter(config, None)
+    load_hf_sharded(model, adapter, path)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            # the loss is already divided by the global action-token count (Eq. 8), so gradients are summed
+            # over data-parallel ranks, not averaged (gloo has no PREMUL_SUM either)
+            module.set_force_sum_reduction_for_comms(True)
+    return model, adapter, dims
+
+
+def load_hf_sharded(model: torch.nn.Module, adapter, path: str | Path) -> None:
+    """Stream the HF safetensors into a sharded model, one tensor at a time; every parameter must be covered."""
+    expected = set(model.state_dict())
+    loaded = set()
+    tied = bool(getattr(model, "enable_weight_tying", False))
+    options = StateDictOptions(full_state_dict=True, strict=False)
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        raise ConfigError(f"model.path '{path}' has no *.safetensors weights: export or download the checkpoint there")
+    for file in files:
+        with safe_open(file, framework="pt") as weights:
+            for hf_name in weights.keys():
+                tensor = weights.get_tensor(hf_name)
+                converted = adapter.from_hf(_one_tensor(hf_name, tensor, tied))
+                if tied and hf_name != "model.embed_tokens.weight":
+                    converted.pop("lm_head.weight", None)  # a placeholder, see _one_tensor
+                set_model_state_dict(model, converted, options=options)
+                loaded |= set(converted)
+    if tied:
+        loaded.add("lm_head.weight")
+    missing = expected - loaded
+    if missing:
+        raise ConfigError(f"checkpoint at '{path}' lacks {sorted(missing)[:3]}...: it does not match its config.json")
+
+
+def _one_tensor(hf_name: str, tensor: torch.Tensor, tied: bool) -> dict[str, torch.Tensor]:
+    """A one-tensor HF dict the adapter accepts: for tied embeddings it insists on seeing an lm_head entry."""
+    return {hf_name: tensor, "lm_head.weight": tensor} if tied and hf_name != "model.embed_tokens.weight" else {hf_name: tensor}
+
+
+class _WithParallelism:
+    """The minimal config object TorchTitan's `update_from_config` reads."""
+
+    def __init__(self, parallelism):
+        self.parallelism = parallelism
+
+
+def data_parallel_rank(dims) -> tuple[int, int]:
+    """(rank, size) of this process among the data-parallel shards; TP / CP ranks of one shard share a slice."""
+    if dims is None or dims.dp_shard <= 1:
+        return 0, 1
+    mesh = dims.get_mesh("fsdp")
+    return mesh.get_local_rank(), mesh.size()
+
+
+def all_reduce_sum(values: dict[str, float], dims) -> dict[str, float]:
+    """Sum per-rank metric partials over the data-parallel shards."""
+    if dims is None or dims.dp_shard <= 1:
+        return values
+    keys = sorted(values)
+    packed = torch.tensor([values[k] for k in keys], dtype=torch.float64)
+    dist.all_reduce(packed, group=dims.get_mesh("fsdp").get_group())
+    return dict(zip(keys, packed.tolist()))

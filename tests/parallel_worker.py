@@ -1,0 +1,63 @@
+"""Worker for the multi-process tests: one rank of a gloo group comparing the sharded policy with one process."""
+
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+from canopy.modules.canopy_module import token_logprobs
+from canopy.modules.parallel import ParallelSettings, build_parallel_policy, data_parallel_rank, unwrap
+from canopy.modules.policy import load_policy
+from canopy.objective import canopy_loss
+
+
+def batch(vocab: int):
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, vocab, (4, 24), generator=g)
+    mask = (torch.rand(4, 23, generator=g) > 0.3).float()
+    advantages = torch.tensor([1.0, -0.5, 0.3, -0.8])
+    return ids, mask, advantages
+
+
+def loss_and_grads(model, ids, mask, advantages, ref, rows, n_tokens):
+    logprobs, _ = token_logprobs(unwrap(model(ids[rows])), ids[rows], 1.0)
+    loss, _ = canopy_loss(logprobs, logprobs.detach(), ref[rows], advantages[rows], mask[rows], kl_coef=0.1,
+                          num_action_tokens=n_tokens)
+    loss.backward()
+    return loss.detach()
+
+
+def main(rank: int, world: int, port: int, path: str, dp: int, tp: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    single, _ = load_policy(path)
+    ids, mask, advantages = batch(single.config.vocab_size)
+    with torch.no_grad():
+        ref = token_logprobs(single(ids), ids, 1.0)[0] - 0.05
+    full_loss = loss_and_grads(single, ids, mask, advantages, ref, slice(None), mask.sum())
+    expected = {name: p.grad for name, p in single.named_parameters()}
+
+    model, _, dims = build_parallel_policy(path, ParallelSettings(dp_shard=dp, tp=tp), world, torch.device("cpu"))
+    dp_rank, dp_size = data_parallel_rank(dims)
+    rows = torch.arange(4)[dp_rank::dp_size]
+    loss = loss_and_grads(model, ids, mask, advantages, ref, rows, mask.sum())
+    if dp_size > 1:
+        dist.all_reduce(loss, group=dims.get_mesh("fsdp").get_group())
+    # relative to each gradient's scale: max |g - g_ref| / max |g_ref|, per tensor
+    grad_diff = max(
+        ((unwrap(p.grad) - expected[name]).abs().max() / expected[name].abs().max().clamp_min(1e-12)).item()
+        for name, p in model.named_parameters()
+    )
+    weight_diff = max((unwrap(p.detach()) - dict(single.named_parameters())[name]).abs().max().item()
+                      for name, p in model.named_parameters())
+    with open(f"{out}/rank{rank}.json", "w") as f:
+        json.dump({"full_loss": full_loss.item(), "loss": loss.item(), "grad_diff": grad_diff,
+                   "weight_diff": weight_diff}, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    world, port, path, dp, tp, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), sys.argv[6]
+    torch.multiprocessing.spawn(main, args=(world, port, path, dp, tp, out), nprocs=world)
