@@ -8,7 +8,7 @@ import lightning as L
 from lightning.pytorch.loggers import TensorBoardLogger
 from omegaconf import DictConfig, OmegaConf
 
-from canopy.build import build_datamodule, build_module, ensure_model
+from canopy.build import build_datamodule, build_module, build_strategy, ensure_model
 from canopy.config import ConfigError, validate
 from canopy.modules.policy import save_hf_checkpoint
 from canopy.report import plot_learning_curve, success_by_tier, write_summary
@@ -21,18 +21,16 @@ def main(cfg: DictConfig) -> None:
         model_path = ensure_model(cfg)
         datamodule = build_datamodule(cfg, model_path)
         module = build_module(cfg, model_path)
+        strategy = build_strategy(cfg)
     except ConfigError as error:
         sys.exit(f"config error: {error}")
     run_dir = Path(hydra.core.hydra_config.HydraConfig.get().runtime.output_dir)
-    print(OmegaConf.to_yaml(cfg, resolve=True))
     L.seed_everything(cfg.seed, workers=True)
-    samples = cfg.report.eval_samples_per_task
-    base = success_by_tier(datamodule, samples, "evaluating base policy") if samples else None
-
     logger = TensorBoardLogger(run_dir, name="tensorboard", version="")
     trainer = L.Trainer(
         accelerator=cfg.trainer.accelerator,
         devices=cfg.trainer.devices,
+        strategy=strategy,
         precision=cfg.trainer.precision,
         max_steps=cfg.trainer.max_steps,
         logger=logger,
@@ -41,9 +39,17 @@ def main(cfg: DictConfig) -> None:
         num_sanity_val_steps=0,
         default_root_dir=run_dir,
     )
+    samples = cfg.report.eval_samples_per_task if trainer.is_global_zero else 0
+    if trainer.is_global_zero:
+        print(OmegaConf.to_yaml(cfg, resolve=True))
+    base = success_by_tier(datamodule, samples, "evaluating base policy") if samples else None
+
     trainer.fit(module, datamodule=datamodule)
 
-    final_dir = save_hf_checkpoint(module.policy, module.adapter, datamodule.tokenizer, model_path, run_dir / "final_hf")
+    final_weights = module.export_hf_state_dict()  # a collective when sharded: every rank takes part
+    if not trainer.is_global_zero:
+        return
+    final_dir = save_hf_checkpoint(final_weights, datamodule.tokenizer, model_path, run_dir / "final_hf")
     curve = plot_learning_curve(logger.log_dir, run_dir / "learning_curve.png")
     if base is not None:
         final = success_by_tier(datamodule, samples, "evaluating final policy")

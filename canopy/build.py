@@ -9,6 +9,7 @@ from canopy.config import ConfigError
 from canopy.datamodules.rollout import RolloutDataModule
 from canopy.envs.embedded import EmbeddedEnvironment
 from canopy.modules.canopy_module import CanopyModule
+from canopy.modules.parallel import ParallelSettings
 from canopy.rollout.agent_loop import Budget
 from canopy.rollout.engine import LocalEngine, SamplingParams
 from canopy.tiny_checkpoint import build_tiny_checkpoint
@@ -86,5 +87,22 @@ def build_module(cfg: DictConfig, model_path: str) -> CanopyModule:
         grad_clip=o.grad_clip,
         temperature=cfg.sampling.temperature,
         micro_batch_tokens=cfg.trainer.micro_batch_tokens,
+        parallel=ParallelSettings(**cfg.parallelism),
         seed=cfg.seed,
     )
+
+
+def build_strategy(cfg: DictConfig):
+    """One process: Lightning's default. Several: `ModelParallelStrategy`, its mesh sized from `parallelism.*`."""
+    p = cfg.parallelism
+    world = p.dp_shard * p.tp * p.cp
+    if world == 1 and cfg.trainer.devices == 1:
+        return "auto"
+    if world != cfg.trainer.devices:
+        raise ConfigError(
+            f"parallelism.dp_shard={p.dp_shard} x tp={p.tp} x cp={p.cp} = {world} must equal trainer.devices="
+            f"{cfg.trainer.devices}: e.g. `trainer.devices=2 parallelism.dp_shard=2`"
+        )
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    return ModelParallelStrategy(data_parallel_size=p.dp_shard * p.cp, tensor_parallel_size=p.tp)

@@ -33,3 +33,43 @@ def test_sharded_policy_matches_single_process(tiny_path_even_vocab, tmp_path, d
         assert result["weight_diff"] == 0.0  # sharded loading is exact
         assert abs(result["loss"] - result["full_loss"]) < 1e-5
         assert result["grad_diff"] < 1e-5
+
+
+def train(tmp_path, name, model_path, *overrides):
+    run_dir = tmp_path / name
+    command = [
+        sys.executable, "train.py", f"hydra.run.dir={run_dir}", f"model.path={model_path}",
+        "model.tiny.format_warmup_steps=30", "trainer.max_steps=2", "data.tasks_per_step=4",
+        "algorithm.group_size=4", "report.eval_samples_per_task=0", *overrides,
+    ]
+    run = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    from canopy.tb import read_scalars
+
+    return read_scalars(run_dir / "tensorboard"), run_dir
+
+
+@pytest.mark.slow
+def test_train_py_on_two_processes_matches_one(tmp_path):
+    """`python train.py trainer.devices=2 parallelism.dp_shard=2` (FSDP) and `parallelism.tp=2` run the embedded
+    default on CPU and reproduce the single-process run step for step: same batches (rank 0 generates and
+    broadcasts), same losses and gradient norms."""
+    model = tmp_path / "tiny"
+    single, _ = train(tmp_path, "single", model)
+    for name, overrides in {"fsdp": ["parallelism.dp_shard=2"], "tp": ["parallelism.tp=2"]}.items():
+        sharded, run_dir = train(tmp_path, name, model, "trainer.devices=2", *overrides)
+        for tag in ("actor/loss", "actor/kl", "actor/entropy", "actor/grad_norm", "reward/success"):
+            for (_, a), (_, b) in zip(single[tag], sharded[tag], strict=True):
+                assert abs(a - b) <= 1e-5 * max(1.0, abs(a)), (name, tag, a, b)
+        assert [v for _, v in sharded["actor/pg_clipfrac"]] == [0.0, 0.0]
+        assert (run_dir / "final_hf" / "model.safetensors").is_file()
+
+
+def test_parallel_degrees_must_match_devices():
+    from canopy.build import build_strategy
+    from canopy.config import ConfigError
+    from tests.test_config import config
+
+    with pytest.raises(ConfigError, match="trainer.devices"):
+        build_strategy(config("trainer.devices=2"))
+    assert build_strategy(config()) == "auto"

@@ -20,7 +20,7 @@ def test_hf_round_trip_is_exact(tiny_path, tmp_path, tokenizer):
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.01)  # a "trained" policy
-    out = save_hf_checkpoint(model, adapter, tokenizer, tiny_path, tmp_path / "exported")
+    out = save_hf_checkpoint(export_hf_state_dict(model, adapter), tokenizer, tiny_path, tmp_path / "exported")
     reloaded, _ = load_policy(out)
     for (name, a), (_, b) in zip(model.state_dict().items(), reloaded.state_dict().items()):
         assert torch.equal(a, b), name

@@ -161,7 +161,12 @@ class RolloutStream:
         return self.length
 
     def __next__(self) -> RolloutBatch:
-        return self.datamodule.next_batch()
+        """Rank 0 generates; with several processes the batch is broadcast so every rank sees the same one."""
+        trainer = self.datamodule.trainer
+        if trainer is None or trainer.world_size == 1:
+            return self.datamodule.next_batch()
+        batch = self.datamodule.next_batch() if trainer.is_global_zero else None
+        return trainer.strategy.broadcast(batch, src=0)
 
 
 class RolloutDataModule(L.LightningDataModule):

@@ -5,6 +5,14 @@ import time
 import lightning as L
 import torch
 
+from canopy.modules.parallel import (
+    ParallelSettings,
+    all_reduce_max,
+    all_reduce_sum,
+    build_parallel_policy,
+    data_parallel_rank,
+    unwrap,
+)
 from canopy.modules.policy import export_hf_state_dict, load_policy
 from canopy.objective import canopy_loss
 
@@ -41,20 +49,29 @@ class CanopyModule(L.LightningModule):
         grad_clip: float | None = 1.0,
         temperature: float = 1.0,
         micro_batch_tokens: int = 16384,
+        parallel: ParallelSettings | None = None,
         seed: int = 0,
     ):
         super().__init__()
-        self.save_hyperparameters()
+        self.save_hyperparameters(ignore=["parallel"])
+        self.parallel = parallel or ParallelSettings()
         self.automatic_optimization = False
         self.policy = None
         self.reference = None
+        self.parallel_dims = None  # TorchTitan's meshes when the policy is sharded
         self.weight_version = 0  # rollout batches consumed = weight syncs sent to the engine
 
     def configure_model(self) -> None:
+        """Single process: plain modules. Under `ModelParallelStrategy`: policy and reference sharded alike."""
         if self.policy is not None:
             return
-        self.policy, self.adapter = load_policy(self.hparams.model_path)
-        self.reference, _ = load_policy(self.hparams.model_path)
+        path, world = self.hparams.model_path, self.trainer.world_size if self._trainer is not None else 1
+        if world > 1:
+            self.policy, self.adapter, self.parallel_dims = build_parallel_policy(path, self.parallel, world, self.device)
+            self.reference, _, _ = build_parallel_policy(path, self.parallel, world, self.device)
+        else:
+            self.policy, self.adapter = load_policy(path)
+            self.reference, _ = load_policy(path)
         self.reference.requires_grad_(False).eval()
 
     def configure_optimizers(self):
@@ -79,15 +96,33 @@ class CanopyModule(L.LightningModule):
         self.weight_version = checkpoint["weight_version"]
 
     def _logprobs(self, model: torch.nn.Module, batch) -> tuple[torch.Tensor, torch.Tensor]:
-        return token_logprobs(model(batch.input_ids), batch.input_ids, self.hparams.temperature)
+        return token_logprobs(unwrap(model(batch.input_ids)), batch.input_ids, self.hparams.temperature)
+
+    def _micro_batches(self, batch) -> list[tuple[torch.Tensor, bool]]:
+        """(rows, real) groups of at most `micro_batch_tokens`. Every data-parallel shard runs as many as the
+        busiest one (FSDP's collectives must pair up); the extra ones repeat a group and count for nothing."""
+        groups = batch.micro_batches(self.hparams.micro_batch_tokens)
+        count = all_reduce_max(len(groups), self.parallel_dims)
+        return [(g, True) for g in groups] + [(groups[0], False)] * (count - len(groups))
 
     @torch.no_grad()
     def _logprobs_no_grad(self, model, batch, micro_batches) -> torch.Tensor:
         out = torch.zeros(batch.input_ids.shape[0], batch.input_ids.shape[1] - 1)
-        for indices in micro_batches:
+        for indices, _ in micro_batches:
             micro = batch.select(indices)
             out[indices, : micro.input_ids.shape[1] - 1] = self._logprobs(model, micro)[0]
         return out
+
+    def export_hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """The policy under HF names, gathered tensor by tensor (a collective when sharded: all ranks call it)."""
+        return {name: unwrap(value) for name, value in export_hf_state_dict(self.policy, self.adapter).items()}
+
+    def _global_counts(self, minibatch) -> tuple[float, float]:
+        """Action tokens and sequences of this (mini)batch summed over the data-parallel shards."""
+        counts = {"tokens": float(minibatch.num_action_tokens),
+                  "sequences": float((minibatch.action_mask[:, 1:].sum(-1) > 0).sum())}
+        counts = all_reduce_sum(counts, self.parallel_dims)
+        return counts["tokens"], counts["sequences"]
 
     def training_step(self, dataloader_iter):
         batch, _, _ = next(dataloader_iter)
@@ -97,7 +132,14 @@ class CanopyModule(L.LightningModule):
                 "a stale batch would break strict on-policy training"
             )
         h = self.hparams
-        micro_batches = batch.micro_batches(h.micro_batch_tokens)
+        # every rank holds the whole batch; each data-parallel shard trains on its own rows, with the
+        # batch-wide action-token count as the denominator so that summed shard gradients are Eq. 8 exactly
+        dp_rank, dp_size = data_parallel_rank(self.parallel_dims)
+        full_batch = batch
+        if len(full_batch.lengths) < dp_size * h.minibatches_per_step:
+            raise RuntimeError(f"{len(full_batch.lengths)} surviving episodes cannot feed {dp_size} data-parallel shards")
+        batch = batch.select(torch.arange(len(batch.lengths))[dp_rank::dp_size]) if dp_size > 1 else batch
+        micro_batches = self._micro_batches(batch)
 
         started = time.perf_counter()
         ref_logprobs = self._logprobs_no_grad(self.reference, batch, micro_batches)
@@ -113,9 +155,8 @@ class CanopyModule(L.LightningModule):
         grad_norms = []
         for m, minibatch_indices in enumerate(order.chunk(h.minibatches_per_step)):
             minibatch = batch.select(minibatch_indices)
-            n_tokens = minibatch.num_action_tokens
-            n_sequences = int((minibatch.action_mask[:, 1:].sum(-1) > 0).sum())
-            for local in minibatch.micro_batches(h.micro_batch_tokens):
+            n_tokens, n_sequences = self._global_counts(minibatch)
+            for local, real in self._micro_batches(minibatch):
                 rows = minibatch_indices[local]
                 micro = batch.select(rows)
                 width = micro.input_ids.shape[1] - 1
@@ -138,7 +179,9 @@ class CanopyModule(L.LightningModule):
                 token_entropy = (entropy * mask).sum() / max(1, n_tokens)
                 if h.entropy_coef:
                     loss = loss - h.entropy_coef * token_entropy
-                self.manual_backward(loss)
+                self.manual_backward(loss if real else loss * 0.0)
+                if not real:
+                    continue
                 engine_gap = ((logprobs.detach() - micro.engine_logprobs[:, 1:]).abs() * mask).sum() / max(1, n_tokens)
                 metrics.update(loss=loss.detach(), entropy=token_entropy.detach(), engine_logprob_gap=engine_gap)
                 for key, value in metrics.items():
@@ -146,7 +189,7 @@ class CanopyModule(L.LightningModule):
             grad_norm = torch.nn.utils.clip_grad_norm_(
                 self.policy.parameters(), h.grad_clip if h.grad_clip else float("inf")
             )
-            grad_norms.append(float(grad_norm))
+            grad_norms.append(float(unwrap(grad_norm)))
             last = m == h.minibatches_per_step - 1
             # Lightning counts a global step per LightningOptimizer.step(): one per rollout batch (the last update).
             (optimizer.step() if last else optimizer.optimizer.step())
@@ -155,18 +198,18 @@ class CanopyModule(L.LightningModule):
 
         started = time.perf_counter()
         self.weight_version += 1
-        self.trainer.datamodule.sync_weights(export_hf_state_dict(self.policy, self.adapter), self.weight_version)
+        self.trainer.datamodule.sync_weights(self.export_hf_state_dict(), self.weight_version)
         timings["time/weight_sync"] = time.perf_counter() - started
 
-        logged = {f"actor/{k}": v for k, v in sums.items()}
+        logged = {f"actor/{k}": v for k, v in all_reduce_sum(sums, self.parallel_dims).items()}
         logged["actor/grad_norm"] = sum(grad_norms) / len(grad_norms)
         logged["actor/lr"] = optimizer.param_groups[0]["lr"]
-        logged["actor/action_tokens"] = float(batch.num_action_tokens)
-        logged.update(batch.metrics)
+        logged["actor/action_tokens"] = float(full_batch.num_action_tokens)
+        logged.update(full_batch.metrics)
         logged.update(timings)
-        self.log_dict(logged, on_step=True, on_epoch=False, batch_size=len(batch.lengths))
+        self.log_dict(logged, on_step=True, on_epoch=False, batch_size=len(full_batch.lengths))
         self.log_dict(
             {"success": logged.get("reward/success", 0.0), "kl": logged["actor/kl"]},
-            on_step=True, on_epoch=False, prog_bar=True, logger=False, batch_size=len(batch.lengths),
+            on_step=True, on_epoch=False, prog_bar=True, logger=False, batch_size=len(full_batch.lengths),
         )
         return None

@@ -145,3 +145,12 @@ def all_reduce_sum(values: dict[str, float], dims) -> dict[str, float]:
     packed = torch.tensor([values[k] for k in keys], dtype=torch.float64)
     dist.all_reduce(packed, group=dims.get_mesh("fsdp").get_group())
     return dict(zip(keys, packed.tolist()))
+
+
+def all_reduce_max(value: int, dims) -> int:
+    """The largest `value` over the data-parallel shards (e.g. micro-batch counts, which must agree for FSDP)."""
+    if dims is None or dims.dp_shard <= 1:
+        return value
+    packed = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=dims.get_mesh("fsdp").get_group())
+    return int(packed.item())

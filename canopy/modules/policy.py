@@ -115,8 +115,8 @@ def export_hf_state_dict(model: torch.nn.Module, adapter: Qwen3StateDictAdapter)
     return adapter.to_hf({k: v.detach() for k, v in model.state_dict().items()})
 
 
-def save_hf_checkpoint(model, adapter, tokenizer, base_path: str | Path, out_dir: str | Path) -> Path:
-    """Write the policy as an HF checkpoint directory (base config + new safetensors + tokenizer), atomically."""
+def save_hf_checkpoint(hf_state_dict: dict, tokenizer, base_path: str | Path, out_dir: str | Path) -> Path:
+    """Write HF-named weights as a checkpoint directory (base config + safetensors + tokenizer), atomically."""
     import os
     import shutil
     import tempfile
@@ -126,7 +126,7 @@ def save_hf_checkpoint(model, adapter, tokenizer, base_path: str | Path, out_dir
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
-    state = {k: v.contiguous() for k, v in export_hf_state_dict(model, adapter).items()}
+    state = {k: v.contiguous() for k, v in hf_state_dict.items()}
     save_file(state, staging / "model.safetensors", metadata={"format": "pt"})
     shutil.copy(Path(base_path) / "config.json", staging / "config.json")
     tokenizer.save_pretrained(staging)
