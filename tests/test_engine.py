@@ -1,3 +1,4 @@
+import pytest
 import torch
 
 from canopy.modules.policy import export_hf_state_dict, load_policy
@@ -45,7 +46,7 @@ def test_weight_sync_changes_outputs_and_version(tiny_path, tokenizer):
     with torch.no_grad():
         for p in policy.parameters():
             p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(1)) * 0.3)
-    engine.update_weights(export_hf_state_dict(policy, adapter), version=7)
+    engine.update_weights(export_hf_state_dict(policy, adapter).items(), version=7)
     after = engine.generate([prompt], [8], greedy)[0]
     assert after.weight_version == 7 and before.weight_version == 0
     assert after.token_ids != before.token_ids
@@ -69,3 +70,15 @@ def test_top_k_and_top_p_filters():
     nucleus = filter_logits(logits, -1, 0.7)  # 0.5 + 0.3 crosses 0.7: keep two
     assert (~torch.isinf(nucleus)).sum().item() == 2
     assert torch.equal(filter_logits(logits, -1, 1.0), logits)
+
+
+def test_partial_or_foreign_weight_updates_are_refused(tiny_path, tokenizer):
+    engine = engine_for(tiny_path, tokenizer)
+    policy, adapter = load_policy(tiny_path)
+    weights = export_hf_state_dict(policy, adapter)
+    partial = [(k, v) for k, v in weights.items() if k != "lm_head.weight"]
+    with pytest.raises(RuntimeError, match="missed"):
+        engine.update_weights(partial, version=1)
+    with pytest.raises(KeyError, match="does not have"):
+        engine.update_weights([("model.bogus.weight", torch.zeros(1))], version=1)
+    assert engine.weight_version == 0

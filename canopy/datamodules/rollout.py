@@ -7,6 +7,7 @@ against the trainer's before the batch is handed over.
 """
 
 import random
+from collections.abc import Iterable
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 
@@ -216,9 +217,15 @@ class RolloutDataModule(L.LightningDataModule):
     def load_state_dict(self, state: dict) -> None:
         self.sampler_state, self.step = dict(state["sampler"]), state["step"]
 
-    def sync_weights(self, hf_state_dict: dict[str, torch.Tensor], version: int) -> None:
-        """Push the trainer's new weights to the engine; later samples must carry `version`."""
-        self.engine.update_weights(hf_state_dict, version)
+    def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Stream the trainer's new weights (HF names) to the engine; later samples must carry `version`.
+        With several processes every rank walks the stream (gathering is collective); only rank 0's engine
+        generates, so only it keeps the tensors."""
+        if self.trainer is None or self.trainer.is_global_zero:
+            self.engine.update_weights(named_tensors, version)
+        else:
+            for _ in named_tensors:
+                pass
         self.trainer_version = version
 
     def sample_tasks(self) -> list[Task]:

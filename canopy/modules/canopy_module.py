@@ -13,7 +13,7 @@ from canopy.modules.parallel import (
     data_parallel_rank,
     unwrap,
 )
-from canopy.modules.policy import export_hf_state_dict, load_policy
+from canopy.modules.policy import load_policy
 from canopy.objective import canopy_loss
 
 
@@ -113,9 +113,16 @@ class CanopyModule(L.LightningModule):
             out[indices, : micro.input_ids.shape[1] - 1] = self._logprobs(model, micro)[0]
         return out
 
+    def iter_hf_weights(self):
+        """(HF name, full tensor) pairs of the policy, gathered one tensor at a time: a sharded policy is never
+        gathered whole anywhere. A collective when sharded: every rank must walk it to the end."""
+        for name, value in self.policy.state_dict().items():
+            for hf_name, tensor in self.adapter.to_hf({name: value}).items():
+                yield hf_name, unwrap(tensor.detach())
+
     def export_hf_state_dict(self) -> dict[str, torch.Tensor]:
-        """The policy under HF names, gathered tensor by tensor (a collective when sharded: all ranks call it)."""
-        return {name: unwrap(value) for name, value in export_hf_state_dict(self.policy, self.adapter).items()}
+        """The whole policy under HF names (for saving; a collective when sharded)."""
+        return dict(self.iter_hf_weights())
 
     def _global_counts(self, minibatch) -> tuple[float, float]:
         """Action tokens and sequences of this (mini)batch summed over the data-parallel shards."""
@@ -198,7 +205,7 @@ class CanopyModule(L.LightningModule):
 
         started = time.perf_counter()
         self.weight_version += 1
-        self.trainer.datamodule.sync_weights(self.export_hf_state_dict(), self.weight_version)
+        self.trainer.datamodule.sync_weights(self.iter_hf_weights(), self.weight_version)
         timings["time/weight_sync"] = time.perf_counter() - started
 
         logged = {f"actor/{k}": v for k, v in all_reduce_sum(sums, self.parallel_dims).items()}

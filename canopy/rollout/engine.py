@@ -3,6 +3,7 @@ as the SGLang server: token ids in, token ids + logprobs out, each sample stampe
 weights pushed as an HF-format state dict after every optimizer step.
 """
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,9 +53,19 @@ class LocalEngine:
         self.weight_version = 0
         self.generator = torch.Generator().manual_seed(seed)
 
-    def update_weights(self, hf_state_dict: dict[str, torch.Tensor], version: int) -> None:
-        """Load the trainer's weights (HF names, strict) and adopt its version."""
-        self.model.load_state_dict(hf_state_dict, strict=True)
+    @torch.no_grad()
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Load the trainer's weights one (HF name, tensor) pair at a time, then adopt its version.
+        Every parameter must be updated: a partial update would mix two policies."""
+        params = dict(self.model.named_parameters())
+        missing = set(params)
+        for name, tensor in named_tensors:
+            if name not in params:
+                raise KeyError(f"weight update names {name!r}, which the engine's model does not have")
+            params[name].copy_(tensor)
+            missing.discard(name)
+        if missing:
+            raise RuntimeError(f"weight update to version {version} missed {sorted(missing)[:3]}: engine weights are mixed")
         self.weight_version = version
 
     @torch.no_grad()
