@@ -5,6 +5,7 @@ from pathlib import Path
 
 import hydra
 import lightning as L
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import TensorBoardLogger
 from omegaconf import DictConfig, OmegaConf
 
@@ -27,6 +28,12 @@ def main(cfg: DictConfig) -> None:
     run_dir = Path(hydra.core.hydra_config.HydraConfig.get().runtime.output_dir)
     L.seed_everything(cfg.seed, workers=True)
     logger = TensorBoardLogger(run_dir, name="tensorboard", version="")
+    callbacks = []
+    if cfg.checkpoint.every_n_steps:
+        callbacks.append(
+            ModelCheckpoint(dirpath=run_dir / "checkpoints", every_n_train_steps=cfg.checkpoint.every_n_steps,
+                            save_top_k=-1, save_last=True, filename="step{step}", auto_insert_metric_name=False)
+        )
     trainer = L.Trainer(
         accelerator=cfg.trainer.accelerator,
         devices=cfg.trainer.devices,
@@ -35,7 +42,8 @@ def main(cfg: DictConfig) -> None:
         max_steps=cfg.trainer.max_steps,
         logger=logger,
         log_every_n_steps=1,
-        enable_checkpointing=False,
+        enable_checkpointing=bool(callbacks),
+        callbacks=callbacks,
         num_sanity_val_steps=0,
         default_root_dir=run_dir,
     )
@@ -44,7 +52,7 @@ def main(cfg: DictConfig) -> None:
         print(OmegaConf.to_yaml(cfg, resolve=True))
     base = success_by_tier(datamodule, samples, "evaluating base policy") if samples else None
 
-    trainer.fit(module, datamodule=datamodule)
+    trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.checkpoint.resume)
 
     final_weights = module.export_hf_state_dict()  # a collective when sharded: every rank takes part
     if not trainer.is_global_zero:

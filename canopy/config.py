@@ -57,6 +57,11 @@ def validate(cfg: DictConfig) -> None:
     _require(_is_int(t.micro_batch_tokens) and t.micro_batch_tokens >= 1,
              f"trainer.micro_batch_tokens={t.micro_batch_tokens} must be a positive integer")
 
+    resume = cfg.checkpoint.resume
+    _require(resume is None or Path(resume).exists(),
+             f"checkpoint.resume '{resume}' does not exist: pass a .ckpt written by checkpoint.every_n_steps (e.g. .../checkpoints/last.ckpt)")
+    _require(_is_int(cfg.checkpoint.every_n_steps) and cfg.checkpoint.every_n_steps >= 0,
+             f"checkpoint.every_n_steps={cfg.checkpoint.every_n_steps} must be 0 (off) or a positive integer")
     _require(cfg.env.name in ENVIRONMENTS, f"env.name={cfg.env.name!r} is unknown: use one of {', '.join(ENVIRONMENTS)}")
     _require(cfg.engine.name in ENGINES, f"engine.name={cfg.engine.name!r} is unknown: use one of {', '.join(ENGINES)}")
     _require(cfg.model.path is not None, "model.path is not set: pass model.path=/path/to/hf_checkpoint (config.json + *.safetensors + tokenizer)")

@@ -212,10 +212,17 @@ class RolloutDataModule(L.LightningDataModule):
         return RolloutStream(self, max_steps)
 
     def state_dict(self) -> dict:
-        return {"sampler": dict(self.sampler_state), "step": self.step}
+        """Where the task sampler stands and the engine's sampling RNG: with the module's state, an exact resume."""
+        state = {"sampler": dict(self.sampler_state), "step": self.step}
+        generator = getattr(self.engine, "generator", None)
+        if generator is not None:
+            state["engine_rng"] = generator.get_state()
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         self.sampler_state, self.step = dict(state["sampler"]), state["step"]
+        if "engine_rng" in state:
+            self.engine.generator.set_state(state["engine_rng"])
 
     def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Stream the trainer's new weights (HF names) to the engine; later samples must carry `version`.

@@ -95,6 +95,11 @@ class CanopyModule(L.LightningModule):
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         self.weight_version = checkpoint["weight_version"]
 
+    def on_train_start(self) -> None:
+        """A resumed policy is ahead of the engine, which starts from the base checkpoint: sync it first."""
+        if self.weight_version != self.trainer.datamodule.trainer_version:
+            self.trainer.datamodule.sync_weights(self.iter_hf_weights(), self.weight_version)
+
     def _logprobs(self, model: torch.nn.Module, batch) -> tuple[torch.Tensor, torch.Tensor]:
         return token_logprobs(unwrap(model(batch.input_ids)), batch.input_ids, self.hparams.temperature)
 

@@ -1,0 +1,54 @@
+"""Exact resume: a run killed with SIGKILL and resumed from its last checkpoint repeats the uninterrupted run."""
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from canopy.tb import read_scalars
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS = 8
+
+
+def command(run_dir, model, *overrides):
+    return [
+        sys.executable, "train.py", f"hydra.run.dir={run_dir}", f"model.path={model}",
+        "model.tiny.format_warmup_steps=30", f"trainer.max_steps={STEPS}", "data.tasks_per_step=4",
+        "algorithm.group_size=4", "report.eval_samples_per_task=0", *overrides,
+    ]
+
+
+def losses(run_dir):
+    return {step: value for step, value in read_scalars(run_dir / "tensorboard")["actor/loss"]}
+
+
+@pytest.mark.slow
+def test_kill_9_then_resume_repeats_the_uninterrupted_run(tmp_path):
+    model = tmp_path / "tiny"
+    subprocess.run(command(tmp_path / "a", model), cwd=ROOT, check=True, capture_output=True, timeout=900)
+    reference = losses(tmp_path / "a")
+
+    victim = subprocess.Popen(command(tmp_path / "b", model, "checkpoint.every_n_steps=2"), cwd=ROOT,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    checkpoints = tmp_path / "b" / "checkpoints"
+    deadline = time.time() + 600
+    while not (checkpoints / "step4.ckpt").exists():
+        assert victim.poll() is None and time.time() < deadline, "the run ended before its step-4 checkpoint"
+        time.sleep(0.05)
+    victim.send_signal(signal.SIGKILL)
+    victim.wait()
+
+    last = checkpoints / "last.ckpt"
+    resumed_from = torch.load(last, weights_only=False)["global_step"]  # a complete file despite the kill
+    assert resumed_from in (2, 4, 6)  # step4.ckpt may be written before last.ckpt catches up
+    subprocess.run(command(tmp_path / "c", model, f"checkpoint.resume={last}"), cwd=ROOT, check=True,
+                   capture_output=True, timeout=900)
+    resumed = losses(tmp_path / "c")
+    assert sorted(resumed) == list(range(resumed_from, STEPS))
+    for step, value in resumed.items():
+        assert value == pytest.approx(reference[step], abs=1e-6), step
