@@ -83,9 +83,26 @@ def test_half_minibatch_ablation_takes_two_updates_per_batch(tiny_path, tokenize
 
 def test_stale_batch_is_refused_by_the_module(tiny_path, tokenizer):
     dm, module = make(tiny_path, tokenizer)
-    module.weight_version = 5  # e.g. a resumed policy whose engine was never synced
+    fresh = dm.next_batch
+
+    def stale():
+        batch = fresh()
+        batch.weight_version = module.weight_version - 1  # generated before the last update
+        return batch
+
+    dm.next_batch = stale
     with pytest.raises(RuntimeError, match="stale"):
         fit(dm, module, steps=1)
+
+
+def test_resumed_policy_resyncs_the_engine_before_generating(tiny_path, tokenizer):
+    dm, module = make(tiny_path, tokenizer)
+    module.configure_model()
+    with torch.no_grad():
+        module.policy.lm_head.weight.add_(0.1)
+    module.weight_version = 3  # as restored from a checkpoint
+    fit(dm, module, steps=4)  # global_step starts at 0 here, so 4 more updates
+    assert dm.engine.weight_version == 7 == module.weight_version
 
 
 def test_policy_only_state_dict_round_trips_strictly(tiny_path, tokenizer):
