@@ -52,3 +52,19 @@ def test_kill_9_then_resume_repeats_the_uninterrupted_run(tmp_path):
     assert sorted(resumed) == list(range(resumed_from, STEPS))
     for step, value in resumed.items():
         assert value == pytest.approx(reference[step], abs=1e-6), step
+
+
+@pytest.mark.slow
+def test_sharded_checkpoint_resume_on_two_processes(tmp_path):
+    """FSDP on 2 processes writes a sharded (DCP) checkpoint; resuming from it repeats the remaining steps."""
+    model, sharded = tmp_path / "tiny", ["trainer.devices=2", "parallelism.dp_shard=2"]
+    subprocess.run(command(tmp_path / "a", model, *sharded, "checkpoint.every_n_steps=4"), cwd=ROOT, check=True,
+                   capture_output=True, timeout=900)
+    checkpoint = tmp_path / "a" / "checkpoints" / "step4.ckpt"
+    assert checkpoint.is_dir() and list(checkpoint.glob("*.distcp"))  # one shard file per rank
+    subprocess.run(command(tmp_path / "b", model, *sharded, f"checkpoint.resume={checkpoint}"), cwd=ROOT, check=True,
+                   capture_output=True, timeout=900)
+    reference, resumed = losses(tmp_path / "a"), losses(tmp_path / "b")
+    assert sorted(resumed) == list(range(4, STEPS))
+    for step, value in resumed.items():
+        assert value == pytest.approx(reference[step], abs=1e-6), step
