@@ -57,6 +57,13 @@ def validate(cfg: DictConfig) -> None:
     _require(_is_int(t.micro_batch_tokens) and t.micro_batch_tokens >= 1,
              f"trainer.micro_batch_tokens={t.micro_batch_tokens} must be a positive integer")
 
+    p = cfg.parallelism
+    for key in ("dp_shard", "tp", "cp"):
+        _require(_is_int(p[key]) and p[key] >= 1, f"parallelism.{key}={p[key]} must be a positive integer")
+    _require(p.mixed_precision in ("float32", "bfloat16"),
+             f"parallelism.mixed_precision={p.mixed_precision!r} is unknown: use float32 or bfloat16")
+    _require(p.activation_checkpointing in ("none", "full", "selective"),
+             f"parallelism.activation_checkpointing={p.activation_checkpointing!r} is unknown: use none, full or selective")
     resume = cfg.checkpoint.resume
     _require(resume is None or Path(resume).exists(),
              f"checkpoint.resume '{resume}' does not exist: pass a .ckpt written by checkpoint.every_n_steps (e.g. .../checkpoints/last.ckpt)")

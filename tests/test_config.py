@@ -88,6 +88,10 @@ def test_each_ablation_changes_one_thing(ablation, key, value):
         ("optim.lr=0", "lr"),
         ("env.name=webshop", "env.name"),
         ("model.tiny=null", "does not exist"),
+        ("parallelism.tp=0", "parallelism.tp"),
+        ("parallelism.mixed_precision=fp8", "mixed_precision"),
+        ("parallelism.activation_checkpointing=some", "activation_checkpointing"),
+        ("checkpoint.resume=/no/such.ckpt", "checkpoint.resume"),
     ],
 )
 def test_invalid_values_fail_with_the_key_named(override, message):

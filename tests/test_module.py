@@ -114,3 +114,21 @@ def test_policy_only_state_dict_round_trips_strictly(tiny_path, tokenizer):
     del state["policy.lm_head.weight"]
     with pytest.raises(RuntimeError, match="missing"):
         module.load_state_dict(state)
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_activation_checkpointing_leaves_gradients_unchanged(tiny_path, mode):
+    from canopy.modules.canopy_module import token_logprobs
+    from canopy.modules.parallel import apply_activation_checkpointing
+
+    ids = torch.randint(0, 40, (2, 16), generator=torch.Generator().manual_seed(0))
+    grads = []
+    for checkpointing in ("none", mode):
+        model, _ = load_policy(tiny_path)
+        apply_activation_checkpointing(model, checkpointing)
+        logprobs, _ = token_logprobs(model(ids), ids, 1.0)
+        logprobs.sum().backward()
+        grads.append({n.replace("_checkpoint_wrapped_module.", ""): p.grad for n, p in model.named_parameters()})
+    assert grads[0].keys() == grads[1].keys()
+    for name in grads[0]:
+        assert torch.allclose(grads[0][name], grads[1][name], atol=1e-6), name

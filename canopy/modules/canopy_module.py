@@ -9,6 +9,7 @@ from canopy.modules.parallel import (
     ParallelSettings,
     all_reduce_max,
     all_reduce_sum,
+    apply_activation_checkpointing,
     build_parallel_policy,
     data_parallel_rank,
     unwrap,
@@ -68,9 +69,10 @@ class CanopyModule(L.LightningModule):
         path, world = self.hparams.model_path, self.trainer.world_size if self._trainer is not None else 1
         if world > 1:
             self.policy, self.adapter, self.parallel_dims = build_parallel_policy(path, self.parallel, world, self.device)
-            self.reference, _, _ = build_parallel_policy(path, self.parallel, world, self.device)
+            self.reference, _, _ = build_parallel_policy(path, self.parallel, world, self.device, trainable=False)
         else:
             self.policy, self.adapter = load_policy(path)
+            apply_activation_checkpointing(self.policy, self.parallel.activation_checkpointing)
             self.reference, _ = load_policy(path)
         self.reference.requires_grad_(False).eval()
 

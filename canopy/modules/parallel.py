@@ -30,6 +30,25 @@ class ParallelSettings:
     cp: int = 1
     sequence_parallel: bool = True
     mixed_precision: str = "float32"  # FSDP compute dtype: float32 | bfloat16 (reductions stay float32)
+    activation_checkpointing: str = "none"  # none | full | selective (TorchTitan's per-block policies)
+
+
+def activation_checkpointing_config(mode: str):
+    """TorchTitan's activation-checkpointing policy for `mode`, or None."""
+    from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
+
+    configs = {"none": None, "full": FullAC.Config, "selective": SelectiveAC.Config}
+    if mode not in configs:
+        raise ConfigError(f"parallelism.activation_checkpointing={mode!r} is unknown: use none, full or selective")
+    return configs[mode]() if configs[mode] else None
+
+
+def apply_activation_checkpointing(model: torch.nn.Module, mode: str) -> torch.nn.Module:
+    """Recompute each transformer block's activations in backward (single-process path)."""
+    config = activation_checkpointing_config(mode)
+    if config is not None:
+        config.build(dump_folder="/tmp").apply(model)
+    return model
 
 
 def unwrap(tensor: torch.Tensor) -> torch.Tensor:
@@ -37,8 +56,11 @@ def unwrap(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
-def build_parallel_policy(path: str | Path, settings: ParallelSettings, world_size: int, device: torch.device):
-    """Meta-build a TorchTitan Qwen3, parallelize it over `world_size` processes, and load its HF weights."""
+def build_parallel_policy(
+    path: str | Path, settings: ParallelSettings, world_size: int, device: torch.device, trainable: bool = True
+):
+    """Meta-build a TorchTitan Qwen3, parallelize it over `world_size` processes, and load its HF weights.
+    The frozen reference (`trainable=False`) is sharded the same way, without activation checkpointing."""
     from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
     from torchtitan.distributed import ParallelDims
     import torchtitan.distributed.parallel_dims as parallel_dims_module
@@ -77,7 +99,7 @@ def build_parallel_policy(path: str | Path, settings: ParallelSettings, world_si
         training=TrainingConfig(mixed_precision_param=settings.mixed_precision, mixed_precision_reduce="float32"),
         parallelism=parallelism,
         compile_config=CompileConfig(),
-        ac_config=None,
+        ac_config=activation_checkpointing_config(settings.activation_checkpointing) if trainable else None,
         dump_folder="/tmp",
     )
     model.to_empty(device=device)
