@@ -69,7 +69,9 @@ class CanopyModule(L.LightningModule):
         path, world = self.hparams.model_path, self.trainer.world_size if self._trainer is not None else 1
         if world > 1:
             self.policy, self.adapter, self.parallel_dims = build_parallel_policy(path, self.parallel, world, self.device)
-            self.reference, _, _ = build_parallel_policy(path, self.parallel, world, self.device, trainable=False)
+            self.reference, _, _ = build_parallel_policy(
+                path, self.parallel, world, self.device, trainable=False, dims=self.parallel_dims
+            )
         else:
             self.policy, self.adapter = load_policy(path)
             apply_activation_checkpointing(self.policy, self.parallel.activation_checkpointing)

@@ -57,10 +57,12 @@ def unwrap(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def build_parallel_policy(
-    path: str | Path, settings: ParallelSettings, world_size: int, device: torch.device, trainable: bool = True
+    path: str | Path, settings: ParallelSettings, world_size: int, device: torch.device, trainable: bool = True,
+    dims=None,
 ):
     """Meta-build a TorchTitan Qwen3, parallelize it over `world_size` processes, and load its HF weights.
-    The frozen reference (`trainable=False`) is sharded the same way, without activation checkpointing."""
+    The frozen reference (`trainable=False`) is sharded the same way (pass the policy's `dims` to reuse its
+    meshes), without activation checkpointing."""
     from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
     from torchtitan.distributed import ParallelDims
     import torchtitan.distributed.parallel_dims as parallel_dims_module
@@ -82,8 +84,9 @@ def build_parallel_policy(
         enable_sequence_parallel=settings.sequence_parallel,
         spmd_backend="partial_dtensor",
     )
-    dims = ParallelDims.from_config(parallelism, world_size)
-    dims.build_mesh()
+    if dims is None:
+        dims = ParallelDims.from_config(parallelism, world_size)
+        dims.build_mesh()
     config = qwen3_config_from_hf(read_hf_config(path))
     if settings.dp_shard > 1 and settings.tp > 1 and config.vocab_size % (settings.dp_shard * settings.tp):
         raise ConfigError(

@@ -6,11 +6,14 @@ transformers and SGLang unchanged.
 """
 
 import json
+import os
+import shutil
+import tempfile
 from functools import partial
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from torchtitan.models.common import CosSinRoPE, Embedding, Linear
 from torchtitan.models.common.attention import ScaledDotProductAttention
 from torchtitan.models.common.config_utils import make_ffn_config, make_gqa_config
@@ -117,12 +120,6 @@ def export_hf_state_dict(model: torch.nn.Module, adapter: Qwen3StateDictAdapter)
 
 def save_hf_checkpoint(hf_state_dict: dict, tokenizer, base_path: str | Path, out_dir: str | Path) -> Path:
     """Write HF-named weights as a checkpoint directory (base config + safetensors + tokenizer), atomically."""
-    import os
-    import shutil
-    import tempfile
-
-    from safetensors.torch import save_file
-
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
