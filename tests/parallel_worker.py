@@ -8,8 +8,8 @@ import torch
 import torch.distributed as dist
 
 from canopy.modules.canopy_module import token_logprobs
-from canopy.modules.parallel import ParallelSettings, build_parallel_policy, data_parallel_rank, unwrap
-from canopy.modules.policy import load_policy
+from canopy.modules.parallel import ParallelSettings, build_parallel_policy, data_parallel_rank
+from canopy.modules.policy import load_policy, unwrap
 from canopy.objective import canopy_loss
 
 

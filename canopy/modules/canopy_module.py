@@ -12,9 +12,8 @@ from canopy.modules.parallel import (
     apply_activation_checkpointing,
     build_parallel_policy,
     data_parallel_rank,
-    unwrap,
 )
-from canopy.modules.policy import load_policy
+from canopy.modules.policy import export_hf_state_dict, iter_hf_weights, load_policy, unwrap
 from canopy.objective import canopy_loss
 
 
@@ -123,15 +122,12 @@ class CanopyModule(L.LightningModule):
         return out
 
     def iter_hf_weights(self):
-        """(HF name, full tensor) pairs of the policy, gathered one tensor at a time: a sharded policy is never
-        gathered whole anywhere. A collective when sharded: every rank must walk it to the end."""
-        for name, value in self.policy.state_dict().items():
-            for hf_name, tensor in self.adapter.to_hf({name: value}).items():
-                yield hf_name, unwrap(tensor.detach())
+        """The policy's (HF name, full tensor) pairs, streamed (see `policy.iter_hf_weights`)."""
+        return iter_hf_weights(self.policy, self.adapter)
 
     def export_hf_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole policy under HF names (for saving; a collective when sharded)."""
-        return dict(self.iter_hf_weights())
+        return export_hf_state_dict(self.policy, self.adapter)
 
     def _global_counts(self, minibatch) -> tuple[float, float]:
         """Action tokens and sequences of this (mini)batch summed over the data-parallel shards."""

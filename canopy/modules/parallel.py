@@ -13,12 +13,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
 
 from canopy.config import ConfigError
 from safetensors import safe_open
 
-from canopy.modules.policy import qwen3_config_from_hf, read_hf_config
+from canopy.modules.policy import qwen3_config_from_hf, read_hf_config, safetensors_files
 
 
 @dataclass(frozen=True)
@@ -49,11 +48,6 @@ def apply_activation_checkpointing(model: torch.nn.Module, mode: str) -> torch.n
     if config is not None:
         config.build(dump_folder="/tmp").apply(model)
     return model
-
-
-def unwrap(tensor: torch.Tensor) -> torch.Tensor:
-    """A plain tensor: DTensors are gathered (a collective: every rank must call it)."""
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
 def build_parallel_policy(
@@ -123,10 +117,7 @@ def load_hf_sharded(model: torch.nn.Module, adapter, path: str | Path) -> None:
     loaded = set()
     tied = bool(getattr(model, "enable_weight_tying", False))
     options = StateDictOptions(full_state_dict=True, strict=False)
-    files = sorted(Path(path).glob("*.safetensors"))
-    if not files:
-        raise ConfigError(f"model.path '{path}' has no *.safetensors weights: export or download the checkpoint there")
-    for file in files:
+    for file in safetensors_files(path):
         with safe_open(file, framework="pt") as weights:
             for hf_name in weights.keys():
                 tensor = weights.get_tensor(hf_name)

@@ -13,6 +13,7 @@ from functools import partial
 from pathlib import Path
 
 import torch
+from torch.distributed.tensor import DTensor
 from safetensors.torch import load_file, save_file
 from torchtitan.models.common import CosSinRoPE, Embedding, Linear
 from torchtitan.models.common.attention import ScaledDotProductAttention
@@ -89,12 +90,16 @@ def qwen3_config_from_hf(hf: dict, max_seq_len: int | None = None) -> Qwen3Model
     )
 
 
-def read_hf_weights(path: str | Path) -> dict[str, torch.Tensor]:
+def safetensors_files(path: str | Path) -> list[Path]:
     files = sorted(Path(path).glob("*.safetensors"))
     if not files:
         raise ConfigError(f"model.path '{path}' has no *.safetensors weights: export or download the checkpoint there")
+    return files
+
+
+def read_hf_weights(path: str | Path) -> dict[str, torch.Tensor]:
     state = {}
-    for file in files:
+    for file in safetensors_files(path):
         state.update(load_file(file))
     return state
 
@@ -113,9 +118,22 @@ def load_policy(path: str | Path, dtype: torch.dtype = torch.float32) -> tuple[Q
     return model.to(dtype), adapter
 
 
+def unwrap(tensor: torch.Tensor) -> torch.Tensor:
+    """A plain tensor: DTensors are gathered (a collective: every rank must call it)."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def iter_hf_weights(model: torch.nn.Module, adapter: Qwen3StateDictAdapter):
+    """(HF name, full tensor) pairs, one tensor at a time: a sharded policy is never gathered whole anywhere.
+    A collective when sharded: every rank must walk it to the end."""
+    for name, value in model.state_dict().items():
+        for hf_name, tensor in adapter.to_hf({name: value}).items():
+            yield hf_name, unwrap(tensor.detach())
+
+
 def export_hf_state_dict(model: torch.nn.Module, adapter: Qwen3StateDictAdapter) -> dict[str, torch.Tensor]:
-    """The policy's weights under HF names, as the engines load them."""
-    return adapter.to_hf({k: v.detach() for k, v in model.state_dict().items()})
+    """The policy's weights under HF names, as the engines load them (a collective when sharded)."""
+    return dict(iter_hf_weights(model, adapter))
 
 
 def save_hf_checkpoint(hf_state_dict: dict, tokenizer, base_path: str | Path, out_dir: str | Path) -> Path:
