@@ -15,6 +15,7 @@ from transformers import AutoTokenizer
 
 from canopy.build import build_budget, build_engine, build_env, build_sampling, ensure_model
 from canopy.config import ConfigError, validate, validate_eval
+from canopy.envs.base import SystemicFaultError
 from canopy.eval.pilot import format_pilot, pilot_report
 from canopy.eval.runner import budget_label, checkpoint_weights, evaluation, sample_runs, write_results
 from canopy.plots import plot_budget_transfer, plot_coverage
@@ -29,23 +30,37 @@ def train_view(cfg: DictConfig) -> DictConfig:
 
 @hydra.main(config_path="conf", config_name="evaluate", version_base="1.3")
 def main(cfg: DictConfig) -> None:
+    out_dir = Path(hydra.core.hydra_config.HydraConfig.get().runtime.output_dir)
     try:
         validate(train_view(cfg))
         validate_eval(cfg)
         base_path = ensure_model(cfg)
         model_path, weights = checkpoint_weights(cfg.checkpoint, base_path) if cfg.checkpoint else (base_path, None)
         tokenizer = AutoTokenizer.from_pretrained(model_path)
-        env = build_env(cfg)
+        env = build_env(cfg, log_dir=out_dir / "env_logs")
         engine = build_engine(cfg, model_path, tokenizer)  # applies budget.rope_scaling (YaRN) when set
         tasks = env.tasks(cfg.data.split if cfg.pilot else cfg.split)
     except (ConfigError, ValueError) as error:
         sys.exit(f"config error: {error}")
+    except SystemicFaultError as error:
+        sys.exit(f"environment error: {error}")
     if weights is not None:
         engine.update_weights(weights, version=0)
-    out_dir = Path(hydra.core.hydra_config.HydraConfig.get().runtime.output_dir)
+    try:
+        run(cfg, env, engine, tokenizer, tasks, out_dir)
+    except SystemicFaultError as error:
+        sys.exit(f"environment error: {error}")
+    finally:
+        if hasattr(env, "close"):
+            env.close()
+
+
+def run(cfg: DictConfig, env, engine, tokenizer, tasks, out_dir: Path) -> None:
+    """The pilot (per-tier base success and Eq. 5's group size) or the evaluation (Table 3 rows, Fig. 5)."""
     budget, sampling = build_budget(cfg), build_sampling(cfg)
     if cfg.pilot:
-        runs, _ = sample_runs(engine, env, tokenizer, tasks, cfg.pilot_samples, budget, sampling, cfg.seed, "pilot")
+        runs, _ = sample_runs(engine, env, tokenizer, tasks, cfg.pilot_samples, budget, sampling, cfg.seed, "pilot",
+                              cfg.env.max_quarantine_fraction)
         rates = {}
         for tier in sorted({t.tier for t in tasks}):
             outcomes = [o for t in tasks if t.tier == tier for o in runs.get(t.task_id, [])]
@@ -58,7 +73,8 @@ def main(cfg: DictConfig) -> None:
               f"{format_pilot(report, groups)}\n\nwritten: {out_dir}/pilot.json, fig2_coverage.png")
         return
     policy = cfg.policy or (Path(cfg.checkpoint).name if cfg.checkpoint else "base")
-    runs, quarantined = sample_runs(engine, env, tokenizer, tasks, cfg.k, budget, sampling, cfg.seed, f"eval {policy}")
+    runs, quarantined = sample_runs(engine, env, tokenizer, tasks, cfg.k, budget, sampling, cfg.seed, f"eval {policy}",
+                                    cfg.env.max_quarantine_fraction)
     result = evaluation(tasks, runs, quarantined, policy=policy, checkpoint=cfg.checkpoint,
                         budget=budget_label(cfg.budget), split=cfg.split, k=cfg.k)
     results = ([json.loads(Path(cfg.transfer_from).read_text())[0]] if cfg.transfer_from else []) + [result]

@@ -11,6 +11,7 @@ from omegaconf import DictConfig, OmegaConf
 from canopy.build import build_datamodule, build_module, build_strategy, ensure_model
 from canopy.callbacks import build_callbacks
 from canopy.config import ConfigError, validate
+from canopy.envs.base import SystemicFaultError
 from canopy.modules.checkpoint import AtomicCheckpoint
 from canopy.modules.policy import save_hf_checkpoint
 from canopy.plots import training_plots
@@ -19,16 +20,16 @@ from canopy.report import success_by_tier, write_summary
 
 @hydra.main(config_path="conf", config_name="train", version_base="1.3")
 def main(cfg: DictConfig) -> None:
+    run_dir = Path(hydra.core.hydra_config.HydraConfig.get().runtime.output_dir)
     try:
         validate(cfg)
         model_path = ensure_model(cfg)
-        datamodule = build_datamodule(cfg, model_path)
+        datamodule = build_datamodule(cfg, model_path, log_dir=run_dir / "env_logs")
         module = build_module(cfg, model_path)
         strategy = build_strategy(cfg)
         callbacks = build_callbacks(cfg)
     except ConfigError as error:
         sys.exit(f"config error: {error}")
-    run_dir = Path(hydra.core.hydra_config.HydraConfig.get().runtime.output_dir)
     L.seed_everything(cfg.seed, workers=True)
     logger = TensorBoardLogger(run_dir, name="tensorboard", version="")
     if cfg.checkpoint.every_n_steps:
@@ -52,9 +53,12 @@ def main(cfg: DictConfig) -> None:
     samples = cfg.report.eval_samples_per_task if trainer.is_global_zero else 0
     if trainer.is_global_zero:
         print(OmegaConf.to_yaml(cfg, resolve=True))
-    base = success_by_tier(datamodule, samples, "evaluating base policy") if samples else None
-
-    trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.checkpoint.resume)
+    try:
+        base = success_by_tier(datamodule, samples, "evaluating base policy") if samples else None
+        trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.checkpoint.resume)
+    except SystemicFaultError as error:
+        datamodule.teardown("fit")
+        sys.exit(f"environment error: {error}")
 
     final_weights = module.export_hf_state_dict()  # a collective when sharded: every rank takes part
     if not trainer.is_global_zero:

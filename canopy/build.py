@@ -18,10 +18,14 @@ from canopy.tiny_checkpoint import build_tiny_checkpoint
 
 
 def ensure_model(cfg: DictConfig) -> str:
-    """The checkpoint directory; the embedded default builds its tiny random Qwen3 there on first use."""
-    path = Path(cfg.model.path)
-    if cfg.model.tiny and not (path / "config.json").is_file():
-        build_tiny_checkpoint(path, seed=cfg.seed, **cfg.model.tiny)
+    """The checkpoint directory: `model.path` as given (validated to exist), else the embedded default's tiny
+    random Qwen3, built on first use at its own cache location `model.tiny.dir` and never anywhere else."""
+    if cfg.model.path is not None:
+        return str(cfg.model.path)
+    tiny = OmegaConf.to_container(cfg.model.tiny, resolve=True)
+    path = Path(tiny.pop("dir"))
+    if not (path / "config.json").is_file():
+        build_tiny_checkpoint(path, seed=cfg.seed, **tiny)
     return str(path)
 
 
@@ -32,8 +36,9 @@ ENVIRONMENT_FACTORIES = {
 }
 
 
-def build_env(cfg: DictConfig):
-    """The environment, in-process, or behind a pool of isolated worker processes when `env.pool.workers > 0`."""
+def build_env(cfg: DictConfig, log_dir: str | Path | None = None):
+    """The environment, in-process, or behind a pool of isolated worker processes when `env.pool.workers > 0`
+    (keeping the logs of faulted workers and servers in `log_dir`, e.g. the run's `env_logs/`)."""
     if cfg.env.name not in ENVIRONMENT_FACTORIES:
         raise ConfigError(f"env.name={cfg.env.name!r} has no environment in this build yet: use one of {', '.join(ENVIRONMENT_FACTORIES)}")
     factory = ENVIRONMENT_FACTORIES[cfg.env.name]
@@ -45,7 +50,7 @@ def build_env(cfg: DictConfig):
             raise ConfigError("env.name=appworld needs env.pool.workers >= 1 (AppWorld holds one world per process), e.g. env.pool.workers=64")
         kwargs = OmegaConf.to_container(cfg.env.appworld, resolve=True)
     if cfg.env.pool.workers:
-        return EnvironmentPool(factory, kwargs, PoolSettings(**OmegaConf.to_container(cfg.env.pool)))
+        return EnvironmentPool(factory, kwargs, PoolSettings(**OmegaConf.to_container(cfg.env.pool)), log_dir=log_dir)
     return build_environment(factory, kwargs)
 
 
@@ -78,10 +83,10 @@ def build_sampling(cfg: DictConfig) -> SamplingParams:
     return SamplingParams(temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p, top_k=cfg.sampling.top_k)
 
 
-def build_datamodule(cfg: DictConfig, model_path: str) -> RolloutDataModule:
+def build_datamodule(cfg: DictConfig, model_path: str, log_dir: str | Path | None = None) -> RolloutDataModule:
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     return RolloutDataModule(
-        build_env(cfg),
+        build_env(cfg, log_dir),
         lambda: build_engine(cfg, model_path, tokenizer),  # built on first use, by the generating rank only
         tokenizer,
         split=cfg.data.split,
@@ -93,6 +98,7 @@ def build_datamodule(cfg: DictConfig, model_path: str) -> RolloutDataModule:
         drop_hardest=cfg.data.drop_hardest,
         hardest_tier=cfg.data.hardest_tier,
         quarantine_as_failure=cfg.algorithm.quarantine_as_failure,
+        max_quarantine_fraction=cfg.env.max_quarantine_fraction,
         seed=cfg.seed,
     )
 

@@ -85,10 +85,11 @@ def validate(cfg: DictConfig) -> None:
     _require(cfg.env.name in ENVIRONMENTS, f"env.name={cfg.env.name!r} is unknown: use one of {', '.join(ENVIRONMENTS)}")
     _validate_env_serving(cfg.env)
     _require(cfg.engine.name in ENGINES, f"engine.name={cfg.engine.name!r} is unknown: use one of {', '.join(ENGINES)}")
-    _require(cfg.model.path is not None, "model.path is not set: pass model.path=/path/to/hf_checkpoint (config.json + *.safetensors + tokenizer)")
-    if not cfg.model.tiny:
-        _require(Path(cfg.model.path).is_dir(),
-                 f"model.path '{cfg.model.path}' does not exist: point it at an HF checkpoint directory (config.json + *.safetensors + tokenizer)")
+    _require(cfg.model.path is not None or bool(cfg.model.tiny),
+             "model.path is not set: pass model.path=/path/to/hf_checkpoint (config.json + *.safetensors + tokenizer)")
+    _require(cfg.model.path is None or Path(cfg.model.path).is_dir(),
+             f"model.path '{cfg.model.path}' does not exist: point it at an HF checkpoint directory (config.json + *.safetensors + tokenizer)"
+             + (", or leave model.path unset for the embedded tiny model" if cfg.model.tiny else ""))
     if cfg.env.name == "appworld":
         _validate_appworld(cfg.env.appworld, cfg.env.pool)
     if cfg.engine.name == "sglang":
@@ -97,6 +98,9 @@ def validate(cfg: DictConfig) -> None:
 
 def _validate_env_serving(env: DictConfig) -> None:
     pool, sandbox = env.pool, env.sandbox
+    _require(isinstance(env.max_quarantine_fraction, (int, float)) and 0 < env.max_quarantine_fraction <= 1,
+             f"env.max_quarantine_fraction={env.max_quarantine_fraction} must lie in (0, 1]: above this fraction of quarantined "
+             "episodes a step stops the run as a broken setup (1 = only when every episode is)")
     _require(_is_int(pool.workers) and pool.workers >= 0,
              f"env.pool.workers={pool.workers} must be 0 (in-process environment) or the number of worker processes")
     for key in ("request_timeout_s", "health_timeout_s", "start_timeout_s", "memory_mb", "max_episodes_per_worker"):

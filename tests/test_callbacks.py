@@ -125,7 +125,7 @@ def test_budget_transfer_evaluates_both_budgets(tiny_path, tmp_path):
 @pytest.mark.slow
 def test_training_run_logs_and_plots_the_callbacks(tmp_path):
     run_dir = tmp_path / "run"
-    command = [sys.executable, "train.py", f"hydra.run.dir={run_dir}", f"model.path={tmp_path / 'tiny'}",
+    command = [sys.executable, "train.py", f"hydra.run.dir={run_dir}", f"model.tiny.dir={tmp_path / 'tiny'}",
                "model.tiny.format_warmup_steps=30", "trainer.max_steps=2", "data.tasks_per_step=2",
                "algorithm.group_size=4", "report.eval_samples_per_task=0", "eval.every_n_steps=1"]
     run = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900)

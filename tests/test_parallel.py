@@ -45,7 +45,7 @@ def test_sharded_policy_matches_single_process(tiny_path_even_vocab, tmp_path, d
 def train(tmp_path, name, model_path, *overrides):
     run_dir = tmp_path / name
     command = [
-        sys.executable, "train.py", f"hydra.run.dir={run_dir}", f"model.path={model_path}",
+        sys.executable, "train.py", f"hydra.run.dir={run_dir}", f"model.tiny.dir={model_path}",
         "model.tiny.format_warmup_steps=30", "trainer.max_steps=2", "data.tasks_per_step=4",
         "algorithm.group_size=4", "report.eval_samples_per_task=0", *overrides,
     ]

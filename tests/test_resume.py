@@ -18,7 +18,7 @@ STEPS = 8
 
 def command(run_dir, model, *overrides):
     return [
-        sys.executable, "train.py", f"hydra.run.dir={run_dir}", f"model.path={model}",
+        sys.executable, "train.py", f"hydra.run.dir={run_dir}", f"model.tiny.dir={model}",
         "model.tiny.format_warmup_steps=30", f"trainer.max_steps={STEPS}", "data.tasks_per_step=4",
         "algorithm.group_size=4", "report.eval_samples_per_task=0", *overrides,
     ]

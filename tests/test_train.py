@@ -28,7 +28,7 @@ def train(tmp_path, steps: int, *overrides: str):
     """`python train.py` on a small embedded run in `tmp_path/run`; returns (run dir, completed process)."""
     run_dir = tmp_path / "run"
     command = [
-        sys.executable, "train.py", f"hydra.run.dir={run_dir}", f"model.path={tmp_path / 'tiny'}",
+        sys.executable, "train.py", f"hydra.run.dir={run_dir}", f"model.tiny.dir={tmp_path / 'tiny'}",
         "model.tiny.format_warmup_steps=30", f"trainer.max_steps={steps}", "data.tasks_per_step=4",
         "algorithm.group_size=4", "report.eval_samples_per_task=1", *overrides,
     ]
@@ -60,7 +60,7 @@ def test_short_training_run(tmp_path):
 @pytest.mark.slow
 def test_base_policy_of_the_embedded_default(tmp_path):
     """Coverage effects need a hard tier the base rarely solves and an easy tier it often does."""
-    cfg = config(f"model.path={tmp_path / 'tiny'}")
+    cfg = config(f"model.tiny.dir={tmp_path / 'tiny'}")
     from canopy.build import ensure_model
 
     datamodule = build_datamodule(cfg, ensure_model(cfg))

@@ -54,7 +54,8 @@ class BudgetTransferEval(L.Callback):
                 engine.generator.manual_seed(cfg.seed)  # same sampling noise at every evaluation
             runs, quarantined = sample_runs(engine, dm.env, dm.tokenizer, tasks, self.k, build_budget(cfg),
                                             build_sampling(cfg), seed=cfg.seed,
-                                            description=f"eval {cfg.budget.name} step {trainer.global_step}")
+                                            description=f"eval {cfg.budget.name} step {trainer.global_step}",
+                                            max_quarantine_fraction=dm.max_quarantine_fraction)
             results.append(evaluation(tasks, runs, quarantined, policy=f"step {trainer.global_step}",
                                       budget=budget_label(cfg.budget), role=role,
                                       split=self.split, k=self.k, step=trainer.global_step))

@@ -5,7 +5,8 @@ pool worker runs its own AppWorld environment server, `appworld.serve.environmen
 serve environment` runs), started lazily with that venv's python and health-checked. It listens on a private
 unix socket, not a port: it executes the policy's code, so it must not be reachable from the network, and 64
 workers cannot collide on ports. It runs `confined`: no network, writes only beneath the AppWorld root (its
-databases open read-write) and its socket folder. Every episode initializes a fresh world under a unique experiment name
+databases open read-write) and its own folder, which is also its home (`private_home`: IPython, AppWorld's cache
+and every other per-user folder are created there, never in the user's home). Every episode initializes a fresh world under a unique experiment name
 (AppWorld deletes an experiment's output folder when a world starts) and deletes that folder at close.
 
 Episode: the ReAct-style prompt of AppWorld's agents (supervisor identity, app descriptions, API-doc
@@ -39,8 +40,8 @@ from pathlib import Path
 
 import httpx
 
-from canopy.envs.base import AgentFailure, EnvironmentFault, StepResult, Task, Verdict, extract_code
-from canopy.envs.sandbox import confined
+from canopy.envs.base import AgentFailure, EnvironmentFault, StepResult, Task, Verdict, extract_code, keep_fault_log, last_line
+from canopy.envs.sandbox import confined, private_home
 
 SYSTEM_PROMPT = """\
 I am your supervisor, and you are a super intelligent AI assistant whose job is to achieve my day-to-day tasks \
@@ -91,18 +92,23 @@ class AppWorldServer:
         self.socket, self.log = self.home / "server.sock", self.home / "server.log"
         self.request_timeout_s = request_timeout_s
         self.world: tuple[str, str] | None = None  # (task id, experiment name) of the live world
+        env = {**os.environ, **private_home(self.home / "home"), "TMPDIR": str(self.home / "tmp"), "APPWORLD_ROOT": root}
+        (self.home / "tmp").mkdir()
         with open(self.log, "wb") as log:
             server = [python, "-m", "uvicorn", "appworld.serve.environment:app", "--uds", str(self.socket), "--log-level", "warning"]
             self.process = subprocess.Popen(
                 confined(server, writable=[self.home, root]),  # AppWorld opens its databases under root read-write
-                cwd=root, env={**os.environ, "APPWORLD_ROOT": root}, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                cwd=root, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
             )
         self.client = httpx.Client(transport=httpx.HTTPTransport(uds=str(self.socket)), base_url="http://appworld")
         deadline = time.monotonic() + start_timeout_s
         while not self.healthy():
             if self.process.poll() is not None or time.monotonic() > deadline:
+                status = self.process.poll()
+                what = f"exited with status {status}" if status is not None else f"not healthy within {start_timeout_s:.0f} s"
+                fault = self.fault("appworld_server_start_failed", what)
                 self.stop()
-                raise EnvironmentFault("appworld_server_start_failed", self.log_tail())
+                raise fault
             time.sleep(0.2)
 
     def healthy(self) -> bool:
@@ -119,8 +125,10 @@ class AppWorldServer:
             return False
         return True
 
-    def log_tail(self) -> str:
-        return self.log.read_text(errors="replace")[-600:] if self.log.is_file() else ""
+    def fault(self, reason: str, what: str) -> EnvironmentFault:
+        """A serving fault naming the server log's last line and a kept copy of the log (`keep_fault_log`)."""
+        text = self.log.read_text(errors="replace") if self.log.is_file() else ""
+        return EnvironmentFault(reason, f"{what}: {last_line(text)} (server log: {keep_fault_log(self.log)})")
 
     def call(self, method: str, timeout: float | None = None, **body):
         """POST /{method}; transport failures and error replies raise `EnvironmentFault`."""
@@ -130,10 +138,10 @@ class AppWorldServer:
             raise EnvironmentFault("appworld_server_unresponsive", f"/{method} got no reply in {timeout or self.request_timeout_s:.0f} s")
         except httpx.TransportError as error:
             if self.dead():
-                raise EnvironmentFault("appworld_server_died", f"exit status {self.process.returncode} during /{method}: {self.log_tail()}")
+                raise self.fault("appworld_server_died", f"exit status {self.process.returncode} during /{method}")
             raise EnvironmentFault("appworld_request_failed", f"/{method}: {error!r}")
         if reply.status_code != 200:
-            raise EnvironmentFault("appworld_request_failed", f"/{method} answered {reply.status_code}: {self.log_tail()}")
+            raise self.fault("appworld_request_failed", f"/{method} answered {reply.status_code}")
         return reply.json()["output"]
 
     def stop(self) -> None:

@@ -1,7 +1,11 @@
 """The environment protocol: tasks, episodes, and how an episode ends (Section 3.1, Appendix G)."""
 
+import os
 import re
+import shutil
+import tempfile
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Protocol
 
 
@@ -80,11 +84,38 @@ def extract_code(action_text: str) -> str | None:
 
 class EnvironmentFault(RuntimeError):
     """A fault the serving layer attributes to itself (dead worker, infra request failure, cross-episode
-    corruption). The episode is quarantined: removed from its group before scoring (Appendix G)."""
+    corruption). The episode is quarantined: removed from its group before scoring (Appendix G).
+    `worker` is the pool slot it happened on, when a pool served the episode."""
 
-    def __init__(self, reason: str, detail: str = ""):
+    def __init__(self, reason: str, detail: str = "", worker: int | None = None):
         super().__init__(f"{reason}: {detail}" if detail else reason)
-        self.reason = reason
+        self.reason, self.detail, self.worker = reason, detail, worker
+
+    def __reduce__(self):  # crosses the worker channel with its fields
+        return type(self), (self.reason, self.detail, self.worker)
+
+
+class SystemicFaultError(RuntimeError):
+    """The serving layer fails systematically (a broken environment setup, not a rare fault): quarantine would
+    hide it, so the run stops with this one-line cause (`canopy.rollout.faults`, `EnvironmentPool`)."""
+
+
+def keep_fault_log(log: Path) -> Path | None:
+    """A copy of a faulted process's log where it outlives the process and its worker: `$CANOPY_FAULT_LOG_DIR`
+    (the pool sets the run's `env_logs/`), else `<tmp>/canopy-fault-logs`. None when there is no log."""
+    if not log.is_file():
+        return None
+    folder = Path(os.environ.get("CANOPY_FAULT_LOG_DIR") or Path(tempfile.gettempdir()) / "canopy-fault-logs")
+    folder.mkdir(parents=True, exist_ok=True)
+    kept = folder / f"{log.parent.name}-{log.name}"
+    shutil.copyfile(log, kept)
+    return kept
+
+
+def last_line(text: str) -> str:
+    """The last non-empty line of a log (where a traceback names its exception)."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return lines[-1] if lines else "(no output)"
 
 
 class AgentFailure(RuntimeError):

@@ -3,7 +3,14 @@
 `EnvironmentPool` is an `Environment` whose episodes each run in a worker process of their own (one episode
 per worker at a time, so concurrent episodes never share state). Every request has a timeout; a worker is
 health-checked before it takes an episode and replaced when it fails one; a worker that faulted, died or
-served `max_episodes_per_worker` episodes is killed (with everything its sandbox left) and replaced.
+served `max_episodes_per_worker` episodes is killed (with everything its sandbox left) and replaced. A
+replacement that fails to start leaves its slot vacant: the next episode to take the slot starts it again, and
+is quarantined (`worker_start_failed`) if that fails too, so the pool never shrinks and never waits forever.
+
+Each worker has a home of its own under the pool's scratch folder (`private_home`): nothing an environment's
+libraries create on first use lands in the user's home. Its stderr goes to `<scratch>/logs/worker<slot>.log`;
+the log of a worker that faulted is kept in `log_dir` (default `<tmp>/canopy-fault-logs`, the run's
+`env_logs/` in training) and named in the fault.
 
 Fault attribution: the agent's own endings come back from the worker as `AgentFailure` (scored 0). What the
 layer attributes to itself raises `EnvironmentFault` and quarantines the episode:
@@ -14,6 +21,7 @@ layer attributes to itself raises `EnvironmentFault` and quarantines the episode
   environment_error        the environment's code raised (a bug in the environment)
   cross_episode_corruption the worker answered for, or still held, another episode
   sandbox_setup_failed     the sandbox for the agent's code could not be built
+  worker_start_failed      a replacement worker could not be started for the episode
 """
 
 import itertools
@@ -30,8 +38,8 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from canopy.envs.base import AgentFailure, EnvironmentFault, StepResult, Task, Verdict
-from canopy.envs.sandbox import claim_uid, kill_uid
+from canopy.envs.base import AgentFailure, EnvironmentFault, StepResult, SystemicFaultError, Task, Verdict, keep_fault_log, last_line
+from canopy.envs.sandbox import claim_uid, kill_uid, private_home
 from canopy.envs.worker import read_frame, write_frame
 
 
@@ -48,16 +56,26 @@ class PoolSettings:
 class Worker:
     """One worker process and its private channel."""
 
-    def __init__(self, factory: str, kwargs: dict, settings: PoolSettings, slot: int, scratch_root: Path, uid: int | None):
+    def __init__(self, factory: str, kwargs: dict, settings: PoolSettings, slot: int, scratch_root: Path, uid: int | None,
+                 log_dir: Path):
         self.slot, self.settings, self.episodes_served, self.uid = slot, settings, 0, uid
-        env = {**os.environ, "CANOPY_SANDBOX_UID": str(self.uid or ""), "CANOPY_SCRATCH_ROOT": str(scratch_root / f"w{slot}")}
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "canopy.envs.worker", factory, json.dumps(kwargs), str(settings.memory_mb)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, start_new_session=True,
-        )
+        scratch = scratch_root / f"w{slot}"
+        self.log = scratch_root / "logs" / f"worker{slot}.log"
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, **private_home(scratch / "home"), "CANOPY_SANDBOX_UID": str(self.uid or ""),
+               "CANOPY_SCRATCH_ROOT": str(scratch), "CANOPY_FAULT_LOG_DIR": str(log_dir)}
+        with open(self.log, "ab") as log:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "canopy.envs.worker", factory, json.dumps(kwargs), str(settings.memory_mb)],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, env=env, start_new_session=True,
+            )
         self.pid = self.process.pid
         self.broken = False
-        self.request("ready", None, (), settings.start_timeout_s, send=False)
+        try:
+            self.request("ready", None, (), settings.start_timeout_s, send=False)
+        except EnvironmentFault:
+            self.stop()
+            raise
 
     def request(self, op: str, episode_id: str | None, args: tuple, timeout: float, send: bool = True):
         """Send one request and wait for its reply; faults of the worker raise `EnvironmentFault`."""
@@ -77,8 +95,11 @@ class Worker:
         raise self._fault(reply[1], reply[2])
 
     def _fault(self, reason: str, detail: str) -> EnvironmentFault:
+        """The fault, with the worker's last log line and a kept copy of its log when it died or hung."""
         self.broken = True
-        return EnvironmentFault(reason, f"worker {self.slot} (pid {self.pid}): {detail}")
+        if reason in ("worker_killed", "worker_crashed", "worker_unresponsive"):
+            detail += f"; last log line: {last_line(self.log.read_text(errors='replace'))} (worker log: {keep_fault_log(self.log)})"
+        return EnvironmentFault(reason, f"worker {self.slot} (pid {self.pid}): {detail}", worker=self.slot)
 
     def _death(self) -> tuple[str, str]:
         try:
@@ -111,24 +132,28 @@ class Worker:
 class EnvironmentPool:
     """An `Environment` served by `settings.workers` isolated worker processes (see the module docstring)."""
 
-    def __init__(self, factory: str, kwargs: dict, settings: PoolSettings, scratch_root: str | Path | None = None):
+    def __init__(self, factory: str, kwargs: dict, settings: PoolSettings, scratch_root: str | Path | None = None,
+                 log_dir: str | Path | None = None):
         """Cheap: the workers start on first use (and again after `close()`)."""
         self.factory, self.kwargs, self.settings = factory, kwargs, settings
         self.name = f"pool:{factory}"
         self.max_concurrent_episodes = settings.workers
         self.scratch_root = Path(scratch_root or Path(tempfile.gettempdir()) / f"canopy-envs-{os.getpid()}-{id(self):x}")
+        self.log_dir = Path(log_dir or Path(tempfile.gettempdir()) / "canopy-fault-logs").absolute()
         self.repairs = 0  # workers replaced after a failed health check
-        self._idle: queue.Queue[Worker] = queue.Queue()
+        self._idle: queue.Queue[int] = queue.Queue()  # slots free for an episode: an idle worker's, or a vacant one
         self._episode_ids = itertools.count()
         self._lock = threading.Lock()  # guards _workers
         self._starting = threading.Lock()  # one thread starts the workers; the others wait for it
-        self._workers: dict[int, Worker] = {}
+        self._started = False
+        self._workers: dict[int, Worker] = {}  # slot -> its live worker; a vacant slot has none
         self._uids: dict[int, tuple[int, int]] = {}  # slot -> (sandbox uid, its lock fd), held while workers run
 
     def _start_workers(self) -> None:
-        """Start every worker, once: on first use, and on first use after `close()`."""
+        """Start every worker, once: on first use, and on first use after `close()`. A worker that cannot start
+        now is a broken setup, not a fault to quarantine: it stops the run with the worker's own error."""
         with self._starting:
-            if self._workers:
+            if self._started:
                 return
             self.scratch_root.mkdir(parents=True, exist_ok=True)
             self.scratch_root.chmod(0o711)  # sandbox users must reach their own scratch directories below it
@@ -138,36 +163,52 @@ class EnvironmentPool:
                 try:
                     self._spawn(slot)
                 except EnvironmentFault as fault:
-                    raise RuntimeError(f"environment worker for {self.factory} failed to start ({fault}); its error is above") from None
+                    raise SystemicFaultError(f"environment worker for {self.factory} failed to start: {fault}") from None
+                self._idle.put(slot)
+            self._started = True
 
     def _uid(self, slot: int) -> int | None:
         return self._uids[slot][0] if slot in self._uids else None
 
-    def _spawn(self, slot: int) -> None:
-        worker = Worker(self.factory, self.kwargs, self.settings, slot, self.scratch_root, self._uid(slot))
+    def _spawn(self, slot: int) -> Worker:
+        worker = Worker(self.factory, self.kwargs, self.settings, slot, self.scratch_root, self._uid(slot), self.log_dir)
         with self._lock:
             self._workers[slot] = worker
-        self._idle.put(worker)
+        return worker
 
-    def _replace(self, worker: Worker) -> None:
+    def _retire(self, worker: Worker) -> None:
+        """Kill the worker and clear its scratch; its slot is vacant until a new worker starts there."""
+        with self._lock:
+            self._workers.pop(worker.slot, None)
         worker.stop()
         shutil.rmtree(self.scratch_root / f"w{worker.slot}", ignore_errors=True)
-        self._spawn(worker.slot)
 
     def _acquire(self) -> Worker:
         self._start_workers()
         while True:
-            worker = self._idle.get()
+            slot = self._idle.get()
+            with self._lock:
+                worker = self._workers.get(slot)
+            if worker is None:
+                try:
+                    return self._spawn(slot)
+                except EnvironmentFault as fault:
+                    self._idle.put(slot)
+                    raise EnvironmentFault("worker_start_failed", str(fault), worker=slot) from None
             if worker.healthy():
                 return worker
             self.repairs += 1
-            self._replace(worker)
+            self._retire(worker)
+            self._idle.put(slot)
 
     def release(self, worker: Worker) -> None:
         if worker.broken or worker.episodes_served >= self.settings.max_episodes_per_worker:
-            self._replace(worker)
-        else:
-            self._idle.put(worker)
+            self._retire(worker)
+            try:
+                self._spawn(worker.slot)  # ready before the next episode asks
+            except EnvironmentFault:
+                pass  # the slot stays vacant: the next episode that takes it starts it (see `_acquire`)
+        self._idle.put(worker.slot)
 
     def worker_pids(self) -> list[int]:
         with self._lock:
@@ -201,6 +242,7 @@ class EnvironmentPool:
             os.close(lock)
         self._uids.clear()
         self._idle = queue.Queue()
+        self._started = False
         shutil.rmtree(self.scratch_root, ignore_errors=True)
 
 

@@ -141,12 +141,27 @@ def prepare_scratch(scratch: Path) -> Path:
     return scratch
 
 
+def private_home(home: Path) -> dict[str, str]:
+    """Environment variables that send the per-user folders libraries create on first use into `home`: the
+    home and XDG folders, and the variables that override them when a user has set them (IPython, matplotlib,
+    Hugging Face, Triton, inductor, AppWorld). A confined process cannot write to the user's home (IPython's
+    `~/.ipython` once failed every AppWorld episode of a fresh machine), and a run must not depend on it."""
+    home.mkdir(parents=True, exist_ok=True)
+    folders = {
+        "HOME": "", "XDG_CACHE_HOME": ".cache", "XDG_CONFIG_HOME": ".config", "XDG_DATA_HOME": ".local/share",
+        "XDG_STATE_HOME": ".local/state", "IPYTHONDIR": ".ipython", "MPLCONFIGDIR": ".config/matplotlib",
+        "HF_HOME": ".cache/huggingface", "TRITON_CACHE_DIR": ".triton/cache", "TORCHINDUCTOR_CACHE_DIR": ".cache/torchinductor",
+        "APPWORLD_CACHE": ".appworld",
+    }
+    return {variable: str(home / folder) for variable, folder in folders.items()}
+
+
 def run_sandboxed(code: str, scratch: Path, limits: SandboxLimits) -> ExecResult:
     uid = sandbox_uid()
     _become_subreaper()
     nproc = limits.max_processes if uid is not None else _process_count(os.getuid()) + limits.max_processes
     settings = {**asdict(limits), "uid": uid, "nproc": nproc, "parent_pid": os.getpid()}
-    environment = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": str(scratch), "TMPDIR": str(scratch), "PYTHONDONTWRITEBYTECODE": "1"}
+    environment = {"PATH": "/usr/local/bin:/usr/bin:/bin", **private_home(scratch), "TMPDIR": str(scratch), "PYTHONDONTWRITEBYTECODE": "1"}
     with tempfile.TemporaryFile() as output:  # a file, not a pipe: a flood of output cannot block or bloat us
         process = subprocess.Popen(
             [sandbox_python(uid), "-I", "-S", str(RUNNER), str(scratch), json.dumps(settings)],

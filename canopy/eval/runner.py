@@ -13,6 +13,7 @@ from canopy.envs.base import Task
 from canopy.eval.metrics import summarize
 from canopy.modules.policy import iter_hf_weights, load_policy
 from canopy.rollout.agent_loop import run_episodes
+from canopy.rollout.faults import check_systemic_faults
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 
@@ -34,11 +35,13 @@ def with_budget(cfg: DictConfig, budget_cfg: DictConfig) -> DictConfig:
 
 
 def sample_runs(engine, env, tokenizer, tasks: list[Task], k: int, budget, sampling, seed: int = 0,
-                description: str = "evaluating") -> tuple[dict[str, list[float]], int]:
+                description: str = "evaluating", max_quarantine_fraction: float = 0.5) -> tuple[dict[str, list[float]], int]:
     """k episodes per task at the engine's current weights: ({task id: k sparse outcomes}, quarantined count).
-    Quarantined episodes carry no outcome (Appendix G); a task keeps its other runs."""
+    Quarantined episodes carry no outcome (Appendix G); a task keeps its other runs. A systematic serving
+    fault stops the evaluation (`check_systemic_faults`) rather than reporting a score over the survivors."""
     jobs = [(task, i) for task in tasks for i in range(k)]
     trajectories, _ = run_episodes(engine, env, tokenizer, jobs, budget, sampling, seed=seed, description=description)
+    check_systemic_faults(trajectories, max_quarantine_fraction, getattr(env, "max_concurrent_episodes", None), description)
     runs: dict[str, list[float]] = defaultdict(list)
     quarantined = 0
     for t in trajectories:

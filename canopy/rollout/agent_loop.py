@@ -46,6 +46,12 @@ class Trajectory:
     verdict: Verdict | None = None
     agent_failure: str | None = None
     quarantine: str | None = None
+    fault: EnvironmentFault | EngineFault | None = None  # the serving-layer fault behind `quarantine`
+
+    def quarantine_for(self, fault: EnvironmentFault | EngineFault) -> str:
+        """Mark the episode quarantined by `fault` (Appendix G); returns its ending."""
+        self.ending, self.quarantine, self.fault = "quarantined", fault.reason, fault
+        return self.ending
 
     @property
     def truncated(self) -> bool:
@@ -168,7 +174,7 @@ def _begin(env: Environment, tokenizer, trajectory: Trajectory, index: int, seed
         episode = env.start(trajectory.task, seed=seed)
         prompt = render_prompt(tokenizer, episode.messages())
     except EnvironmentFault as fault:
-        trajectory.ending, trajectory.quarantine = "quarantined", fault.reason
+        trajectory.quarantine_for(fault)
         return None
     if len(prompt) > budget.max_prompt_tokens:
         episode.close()
@@ -185,7 +191,7 @@ def _advance(item: _Live, generation, tokenizer, budget: Budget, im_end: int) ->
     """Append one generated turn and act on it; returns the episode if it goes on, None once it ended (closed)."""
     t = item.trajectory
     if isinstance(generation, EngineFault):  # the engine failed this request on every try: not the agent's doing
-        t.ending, t.quarantine = "quarantined", generation.reason
+        t.quarantine_for(generation)
         item.episode.close()
         return None
     t.token_ids += generation.token_ids
@@ -216,8 +222,7 @@ def _step(item: _Live, generation, tokenizer, budget: Budget, im_end: int) -> st
     try:
         result = item.episode.step(action_text)
     except EnvironmentFault as fault:
-        t.quarantine = fault.reason
-        return "quarantined"
+        return t.quarantine_for(fault)
     except AgentFailure as failure:
         t.agent_failure = failure.reason
         return "agent_failure"
@@ -240,4 +245,4 @@ def _judge(item: _Live) -> None:
     try:
         item.trajectory.verdict = item.episode.verdict()
     except EnvironmentFault as fault:
-        item.trajectory.ending, item.trajectory.quarantine = "quarantined", fault.reason
+        item.trajectory.quarantine_for(fault)

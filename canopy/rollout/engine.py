@@ -24,7 +24,10 @@ class EngineFault(RuntimeError):
 
     def __init__(self, reason: str, detail: str = ""):
         super().__init__(f"{reason}: {detail}" if detail else reason)
-        self.reason = reason
+        self.reason, self.detail = reason, detail
+
+    def __reduce__(self):
+        return type(self), (self.reason, self.detail)
 
 
 @dataclass
