@@ -1,5 +1,7 @@
 # `make train` / `make test` create .venv on first use: CPU torch first (a wheel on local disk), then the rest.
 VENV ?= .venv
+# the interpreter the venvs are made from (.ci/run passes it resolved, before it changes HOME)
+SYSTEM_PYTHON ?= python3
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.canopy-installed
 
@@ -10,7 +12,7 @@ APPWORLD_STAMP := $(APPWORLD_VENV)/.canopy-installed
 .PHONY: train test bench clean appworld
 
 $(STAMP): pyproject.toml
-	test -x $(PY) || python3 -m venv $(VENV)
+	test -x $(PY) || $(SYSTEM_PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[test]'
 	touch $(STAMP)
@@ -19,9 +21,11 @@ train: $(STAMP)
 	$(PY) train.py $(ARGS)
 
 $(APPWORLD_STAMP):
-	test -x $(APPWORLD_VENV)/bin/python || python3 -m venv $(APPWORLD_VENV)
+	test -x $(APPWORLD_VENV)/bin/python || $(SYSTEM_PYTHON) -m venv $(APPWORLD_VENV)
 	$(APPWORLD_VENV)/bin/pip install -q appworld==0.1.3.post1
-	$(APPWORLD_VENV)/bin/appworld install   # unpacks the 11 apps into the package; downloads no data
+	# unpacks the 11 apps into the package (downloads no data) and AppWorld's own tests into APPWORLD_CACHE,
+	# kept in the venv so that nothing lands in the user's home
+	APPWORLD_CACHE=$(abspath $(APPWORLD_VENV))/appworld-cache $(APPWORLD_VENV)/bin/appworld install
 	touch $(APPWORLD_STAMP)
 
 appworld: $(APPWORLD_STAMP)

@@ -90,6 +90,8 @@ def validate(cfg: DictConfig) -> None:
     _require(cfg.model.path is None or Path(cfg.model.path).is_dir(),
              f"model.path '{cfg.model.path}' does not exist: point it at an HF checkpoint directory (config.json + *.safetensors + tokenizer)"
              + (", or leave model.path unset for the embedded tiny model" if cfg.model.tiny else ""))
+    _require(cfg.model.path is None or (Path(cfg.model.path) / "config.json").is_file(),
+             f"model.path '{cfg.model.path}' has no config.json: point it at an HF checkpoint directory (config.json + *.safetensors + tokenizer)")
     if cfg.env.name == "appworld":
         _validate_appworld(cfg.env.appworld, cfg.env.pool)
     if cfg.engine.name == "sglang":

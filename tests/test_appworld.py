@@ -161,15 +161,15 @@ def test_an_episode_whose_world_was_replaced_is_corrupted(env_kwargs):
     [("env.appworld.python=/no/python", "run `make appworld`"), ("env.pool.workers=0", "env.pool.workers"),
      ("env.appworld.root=/no/root", "appworld download data"), ("env.pool.request_timeout_s=100", "must exceed 180")],
 )
-def test_appworld_config_names_the_fix(env_kwargs, override, message):
+def test_appworld_config_names_the_fix(env_kwargs, tiny_path, override, message):
     from canopy.config import ConfigError, validate
     from tests.test_config import config
 
-    cfg = config("experiment=appworld_canopy", f"model.path={REPO}", f"env.appworld.root={env_kwargs['root']}",
+    cfg = config("experiment=appworld_canopy", f"model.path={tiny_path}", f"env.appworld.root={env_kwargs['root']}",
                  "env.appworld.cell_timeout_s=100", "env.appworld.request_timeout_s=60", "engine.sglang.python=/x", override)
     with pytest.raises(ConfigError, match=message):
         validate(cfg)
-    validate(config("experiment=appworld_canopy", f"model.path={REPO}", f"env.appworld.root={env_kwargs['root']}",
+    validate(config("experiment=appworld_canopy", f"model.path={tiny_path}", f"env.appworld.root={env_kwargs['root']}",
                     "engine.sglang.python=/x"))
 
 
