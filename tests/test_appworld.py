@@ -2,8 +2,11 @@
 on-disk format (scripts/appworld_synthetic_data.py), through the real pool and agent loop (Appendix G)."""
 
 import os
+import re
+import shutil
 import signal
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -186,3 +189,54 @@ def test_policy_code_in_the_server_has_no_network_and_writes_only_under_the_root
     episode.close()
     assert "WROTE" not in observation and "CONNECTED" not in observation, observation
     assert not outside.exists()
+
+
+def test_servers_never_write_to_the_users_home(env_kwargs, monkeypatch, tmp_path):
+    """A fresh machine's empty home: AppWorld's IPython creates its folder in the server's private home, and
+    the user's home stays empty (the confined server cannot write there: every /initialize once answered 500)."""
+    home = tmp_path / "home"
+    home.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    for variable in ("XDG_CACHE_HOME", "XDG_CONFIG_HOME", "XDG_DATA_HOME", "IPYTHONDIR", "APPWORLD_CACHE"):
+        monkeypatch.delenv(variable, raising=False)
+    pool = EnvironmentPool("canopy.envs.appworld:AppWorldEnvironment", env_kwargs, SETTINGS, scratch_root=tmp_path / "scratch")
+    try:
+        episode = pool.start(pool.tasks("train")[0], seed=0)
+        observation = episode.step(code("import os\nprint('home is', os.path.expanduser('~'))")).observation
+        private = list((tmp_path / "scratch").glob("w*/appworld-*/home"))
+        assert len(private) == 1 and (private[0] / ".ipython").is_dir()
+        assert f"home is {private[0]}" in observation
+        assert episode.verdict().total == 2
+        episode.close()
+    finally:
+        pool.close()
+    assert list(home.iterdir()) == []
+
+
+def broken_root(env_kwargs, tmp_path) -> Path:
+    """The synthetic data with `experiments` a file: AppWorld cannot create an experiment's output folder, so
+    every /initialize fails (a broken setup, as an unwritable home once was)."""
+    root = tmp_path / "broken"
+    shutil.copytree(env_kwargs["root"], root)
+    shutil.rmtree(root / "experiments", ignore_errors=True)
+    (root / "experiments").write_text("")
+    return root
+
+
+@pytest.mark.parametrize("entry", ["train.py", "evaluate.py"])
+def test_a_broken_setup_stops_training_and_evaluation_with_one_line(env_kwargs, tmp_path, entry):
+    root, run_dir = broken_root(env_kwargs, tmp_path), tmp_path / "run"
+    command = [sys.executable, entry, f"hydra.run.dir={run_dir}", f"model.tiny.dir={tmp_path / 'tiny'}",
+               "model.tiny.format_warmup_steps=30", "env.name=appworld", "env.pool.workers=2",
+               "env.pool.request_timeout_s=300", f"env.appworld.root={root}", "env.appworld.start_timeout_s=60",
+               "data.tasks_per_step=2", "algorithm.group_size=2", "trainer.max_steps=1", "callbacks=none",
+               "report.eval_samples_per_task=0", *(["split=dev", "k=2"] if entry == "evaluate.py" else [])]
+    run = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 1
+    last = run.stderr.strip().splitlines()[-1].split("\r")[-1].strip()
+    what = "rollout step 0" if entry == "train.py" else "eval base"
+    assert last.startswith("environment error: the environment's serving layer is failing, not the agent: ") and what in last
+    assert "appworld_request_failed" in last and "/initialize answered 500: NotADirectoryError" in last
+    log = Path(re.search(r"\(server log: (\S+)\)", last).group(1))
+    assert log.parent == run_dir / "env_logs" and "NotADirectoryError" in log.read_text()
+    assert not (run_dir / "final_hf").exists()

@@ -111,7 +111,8 @@ def test_budget_transfer_evaluates_both_budgets(tiny_path, tmp_path):
     weights = LocalEngine(tiny_path, stop_token_ids=[0], pad_token_id=0).model.state_dict()
     logger = SimpleNamespace(logged={}, log_metrics=lambda metrics, step: logger.logged.update(metrics))
     trainer = SimpleNamespace(global_step=7, is_global_zero=True, logger=logger, default_root_dir=str(tmp_path),
-                              datamodule=SimpleNamespace(env=EmbeddedEnvironment(), tokenizer=tokenizer))
+                              datamodule=SimpleNamespace(env=EmbeddedEnvironment(), tokenizer=tokenizer,
+                                                         max_quarantine_fraction=0.5))
     module = SimpleNamespace(hparams=SimpleNamespace(model_path=str(tiny_path)), weight_version=7,
                              iter_hf_weights=lambda: iter(weights.items()))
     callback.on_train_end(trainer, module)

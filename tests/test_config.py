@@ -132,3 +132,25 @@ def test_cli_prints_one_line_and_fails():
         "config error: algorithm.group_size=1: group-relative advantages need >= 2 rollouts per task; "
         "set algorithm.group_size >= 2"
     ]
+
+
+def test_a_mistyped_model_path_is_one_line_and_builds_nothing(tmp_path):
+    """The embedded experiment builds its tiny model only at model.tiny.dir, never at a user's model.path."""
+    typo, empty = tmp_path / "models" / "typo", tmp_path / "empty"
+    empty.mkdir()
+    for path, error in ((typo, "does not exist"), (empty, "has no config.json")):
+        run = subprocess.run([sys.executable, "train.py", f"model.path={path}"], cwd=Path(__file__).resolve().parents[1],
+                             capture_output=True, text=True, timeout=300)
+        assert run.returncode != 0
+        assert run.stderr.strip().splitlines() == [
+            f"config error: model.path '{path}' {error}: point it at an HF checkpoint directory (config.json + "
+            f"*.safetensors + tokenizer){', or leave model.path unset for the embedded tiny model' if path == typo else ''}"
+        ]
+    assert not typo.exists() and list(empty.iterdir()) == []
+
+
+def test_quarantine_threshold_is_validated():
+    for value in (0, 1.5, "half"):
+        with pytest.raises(ConfigError, match="env.max_quarantine_fraction"):
+            validate(config(f"env.max_quarantine_fraction={value}"))
+    validate(config("env.max_quarantine_fraction=1.0"))

@@ -119,3 +119,18 @@ def test_confined_server_command_has_no_network_and_writes_only_where_allowed(sc
     assert run.returncode == 0, run.stderr
     assert run.stdout.split() == ["blocked", "blocked"]
     assert (scratch / "inside.txt").read_text() == "ok" and not outside.exists()
+
+
+def test_per_user_folders_of_libraries_land_in_the_scratch_dir(scratch, monkeypatch):
+    """Whatever a library creates on first use (~/.ipython, ~/.cache/..., $HF_HOME) goes below the scratch dir,
+    even when the caller's environment points those variables elsewhere."""
+    monkeypatch.setenv("XDG_CACHE_HOME", "/root/.cache")
+    monkeypatch.setenv("HF_HOME", "/root/.cache/huggingface")
+    code = ("import os\n"
+            "for name in ('HOME', 'XDG_CACHE_HOME', 'XDG_CONFIG_HOME', 'IPYTHONDIR', 'MPLCONFIGDIR', 'HF_HOME', 'TRITON_CACHE_DIR'):\n"
+            "    os.makedirs(os.path.join(os.environ[name], 'made'), exist_ok=True)\n"
+            "os.makedirs(os.path.expanduser('~/.ipython/profile_default'))\n"
+            "print('ok')")
+    result = run(code, scratch)
+    assert result.status == "ok", result.output
+    assert (scratch / ".ipython" / "profile_default").is_dir() and (scratch / ".cache" / "huggingface" / "made").is_dir()

@@ -128,7 +128,8 @@ class AppWorldServer:
     def fault(self, reason: str, what: str) -> EnvironmentFault:
         """A serving fault naming the server log's last line and a kept copy of the log (`keep_fault_log`)."""
         text = self.log.read_text(errors="replace") if self.log.is_file() else ""
-        return EnvironmentFault(reason, f"{what}: {last_line(text)} (server log: {keep_fault_log(self.log)})")
+        kept = keep_fault_log(self.log, f"{self.home.name}.log")
+        return EnvironmentFault(reason, f"{what}: {last_line(text)} (server log: {kept})")
 
     def call(self, method: str, timeout: float | None = None, **body):
         """POST /{method}; transport failures and error replies raise `EnvironmentFault`."""

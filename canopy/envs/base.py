@@ -100,16 +100,16 @@ class SystemicFaultError(RuntimeError):
     hide it, so the run stops with this one-line cause (`canopy.rollout.faults`, `EnvironmentPool`)."""
 
 
-def keep_fault_log(log: Path) -> Path | None:
-    """A copy of a faulted process's log where it outlives the process and its worker: `$CANOPY_FAULT_LOG_DIR`
-    (the pool sets the run's `env_logs/`), else `<tmp>/canopy-fault-logs`. None when there is no log."""
+def keep_fault_log(log: Path, name: str, folder: Path | None = None) -> Path | None:
+    """A copy of a faulted process's log, as `name`, where it outlives the process and its worker: `folder`, else
+    `$CANOPY_FAULT_LOG_DIR` (the pool sets it for its workers: the run's `env_logs/`), else `<tmp>/canopy-fault-logs`.
+    None when there is no log."""
     if not log.is_file():
         return None
-    folder = Path(os.environ.get("CANOPY_FAULT_LOG_DIR") or Path(tempfile.gettempdir()) / "canopy-fault-logs")
+    folder = Path(folder or os.environ.get("CANOPY_FAULT_LOG_DIR") or Path(tempfile.gettempdir()) / "canopy-fault-logs")
     folder.mkdir(parents=True, exist_ok=True)
-    kept = folder / f"{log.parent.name}-{log.name}"
-    shutil.copyfile(log, kept)
-    return kept
+    shutil.copyfile(log, folder / name)
+    return folder / name
 
 
 def last_line(text: str) -> str:
@@ -123,4 +123,4 @@ class AgentFailure(RuntimeError):
 
     def __init__(self, reason: str, detail: str = ""):
         super().__init__(f"{reason}: {detail}" if detail else reason)
-        self.reason = reason
+        self.reason, self.detail = reason, detail

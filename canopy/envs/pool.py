@@ -58,7 +58,7 @@ class Worker:
 
     def __init__(self, factory: str, kwargs: dict, settings: PoolSettings, slot: int, scratch_root: Path, uid: int | None,
                  log_dir: Path):
-        self.slot, self.settings, self.episodes_served, self.uid = slot, settings, 0, uid
+        self.slot, self.settings, self.episodes_served, self.uid, self.log_dir = slot, settings, 0, uid, log_dir
         scratch = scratch_root / f"w{slot}"
         self.log = scratch_root / "logs" / f"worker{slot}.log"
         self.log.parent.mkdir(parents=True, exist_ok=True)
@@ -98,7 +98,8 @@ class Worker:
         """The fault, with the worker's last log line and a kept copy of its log when it died or hung."""
         self.broken = True
         if reason in ("worker_killed", "worker_crashed", "worker_unresponsive"):
-            detail += f"; last log line: {last_line(self.log.read_text(errors='replace'))} (worker log: {keep_fault_log(self.log)})"
+            kept = keep_fault_log(self.log, f"worker{self.slot}-pid{self.pid}.log", self.log_dir)
+            detail += f"; last log line: {last_line(self.log.read_text(errors='replace'))} (worker log: {kept})"
         return EnvironmentFault(reason, f"worker {self.slot} (pid {self.pid}): {detail}", worker=self.slot)
 
     def _death(self) -> tuple[str, str]:

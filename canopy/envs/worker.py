@@ -86,9 +86,9 @@ def serve(requests: int, replies: int, host: Host) -> None:
         try:
             write_frame(replies, ("ok", host.handle(op, episode_id, args)))
         except AgentFailure as failure:
-            write_frame(replies, ("agent_failure", failure.reason, str(failure)))
+            write_frame(replies, ("agent_failure", failure.reason, failure.detail))
         except EnvironmentFault as fault:
-            write_frame(replies, ("fault", fault.reason, str(fault)))
+            write_frame(replies, ("fault", fault.reason, fault.detail))
         except MemoryError:
             write_frame(replies, ("fault", "worker_oom", "the environment exceeded the worker's memory cap"))
             os._exit(1)  # its state may be half-updated: never serve another request

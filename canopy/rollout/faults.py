@@ -34,7 +34,7 @@ def check_systemic_faults(trajectories: list[Trajectory], max_fraction: float, w
         reason, count = everywhere[0], reasons[everywhere[0]]
         why = f"in {what} the fault {reason} quarantined >= {REPEATS} episodes on every one of the {workers} workers"
     first = next(t for t in quarantined if t.quarantine == reason)
-    detail = " ".join(str(first.fault).split()) if first.fault is not None else reason
+    detail = " ".join(first.fault.detail.split()) if first.fault is not None and first.fault.detail else "(no detail)"
     raise SystemicFaultError(
         f"the environment's serving layer is failing, not the agent: {why}; {count} of them {reason}; first: {detail}. "
         "Fix the environment's setup (quarantine is for rare faults); raise env.max_quarantine_fraction only for faults that are truly exogenous"
