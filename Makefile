@@ -20,11 +20,11 @@ $(STAMP): pyproject.toml
 train: $(STAMP)
 	$(PY) train.py $(ARGS)
 
+# `appworld install` unpacks the 11 apps into the package (downloads no data) and AppWorld's own tests into
+# APPWORLD_CACHE, kept in the venv so that nothing lands in the user's home.
 $(APPWORLD_STAMP):
 	test -x $(APPWORLD_VENV)/bin/python || $(SYSTEM_PYTHON) -m venv $(APPWORLD_VENV)
 	$(APPWORLD_VENV)/bin/pip install -q appworld==0.1.3.post1
-	# unpacks the 11 apps into the package (downloads no data) and AppWorld's own tests into APPWORLD_CACHE,
-	# kept in the venv so that nothing lands in the user's home
 	APPWORLD_CACHE=$(abspath $(APPWORLD_VENV))/appworld-cache $(APPWORLD_VENV)/bin/appworld install
 	touch $(APPWORLD_STAMP)
 

@@ -1,7 +1,6 @@
 """Train with the CANOPY recipe: `python train.py` (embedded default) or `python train.py experiment=appworld_canopy`."""
 
 import sys
-import warnings
 from pathlib import Path
 
 import hydra
@@ -13,23 +12,16 @@ from canopy.build import build_datamodule, build_module, build_strategy, ensure_
 from canopy.callbacks import build_callbacks
 from canopy.config import ConfigError, validate
 from canopy.envs.base import SystemicFaultError
+from canopy.modules.canopy_module import silence_benign_warnings
 from canopy.modules.checkpoint import AtomicCheckpoint
 from canopy.modules.policy import save_hf_checkpoint
 from canopy.plots import training_plots
 from canopy.report import success_by_tier, write_summary
 
 
-# Three benign warnings every run would print, silenced by their exact text and nothing broader: the step
-# flavour that pulls the batch when the step starts (how generation waits for the synced weights), the frozen
-# reference kept in eval mode on purpose, and Lightning 2.6's use of a pytree API torch 2.13 deprecates.
-for benign in (r"You are using the `dataloader_iter` step flavor", r"Found `dataloader_iter` argument in the `training_step`",
-               r"Found \d+ module\(s\) in eval mode at the start of training",
-               r"`isinstance\(treespec, LeafSpec\)` is deprecated"):
-    warnings.filterwarnings("ignore", message=benign)
-
-
 @hydra.main(config_path="conf", config_name="train", version_base="1.3")
 def main(cfg: DictConfig) -> None:
+    silence_benign_warnings()
     run_dir = Path(hydra.core.hydra_config.HydraConfig.get().runtime.output_dir)
     try:
         validate(cfg)

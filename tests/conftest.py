@@ -1,7 +1,14 @@
 import pytest
 from transformers import AutoTokenizer
 
+from canopy.modules.canopy_module import silence_benign_warnings
 from canopy.tiny_checkpoint import build_tiny_checkpoint
+
+
+@pytest.fixture(autouse=True)
+def benign_warnings_silenced():
+    """As train.py does (inside each test: pytest sets up every test's warning filters afresh)."""
+    silence_benign_warnings()
 
 
 @pytest.fixture(scope="session")

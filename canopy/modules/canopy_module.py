@@ -1,6 +1,7 @@
 """CanopyModule: the policy, its frozen reference, and exactly one optimizer step per rollout batch (Section 3.3)."""
 
 import time
+import warnings
 
 import lightning as L
 import torch
@@ -24,6 +25,20 @@ from canopy.modules.parallel import (
 )
 from canopy.modules.policy import export_hf_state_dict, iter_hf_weights, load_policy, unwrap
 from canopy.objective import canopy_loss
+
+
+BENIGN_WARNINGS = (
+    r"You are using the `dataloader_iter` step flavor",  # the step pulls its batch once the synced weights are in
+    r"Found `dataloader_iter` argument in the `training_step`",
+    r"Found \d+ module\(s\) in eval mode at the start of training",  # the frozen reference, on purpose
+    r"`isinstance\(treespec, LeafSpec\)` is deprecated",  # Lightning 2.6 on torch 2.13's pytree
+)
+
+
+def silence_benign_warnings() -> None:
+    """Ignore the three benign warnings every run would print (matched by their exact text, nothing broader)."""
+    for message in BENIGN_WARNINGS:
+        warnings.filterwarnings("ignore", message=message)
 
 
 def sequence_inputs(batch: RolloutBatch, cp_mesh=None, **per_token: torch.Tensor) -> dict[str, torch.Tensor]:
