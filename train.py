@@ -58,9 +58,9 @@ def main(cfg: DictConfig) -> None:
     try:
         base = success_by_tier(datamodule, samples, "evaluating base policy") if samples else None
         trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.checkpoint.resume)
-    except SystemicFaultError as error:
+    except SystemicFaultError as error:  # every rank stops; rank 0 says why
         datamodule.teardown("fit")
-        sys.exit(f"environment error: {error}")
+        sys.exit(f"environment error: {error}" if trainer.is_global_zero else 1)
 
     final_weights = module.export_hf_state_dict()  # a collective when sharded: every rank takes part
     if not trainer.is_global_zero:

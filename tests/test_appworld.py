@@ -223,14 +223,16 @@ def broken_root(env_kwargs, tmp_path) -> Path:
     return root
 
 
-@pytest.mark.parametrize("entry", ["train.py", "evaluate.py"])
-def test_a_broken_setup_stops_training_and_evaluation_with_one_line(env_kwargs, tmp_path, entry):
+@pytest.mark.parametrize("entry, extra", [("train.py", []), ("evaluate.py", ["split=dev", "k=2"]),
+                                          ("train.py", ["trainer.devices=2", "parallelism.dp_shard=2"])])
+def test_a_broken_setup_stops_training_and_evaluation_with_one_line(env_kwargs, tmp_path, entry, extra):
+    """Also on 2 processes: the rank that generates says why, and every rank stops (none dies on a broken pipe)."""
     root, run_dir = broken_root(env_kwargs, tmp_path), tmp_path / "run"
     command = [sys.executable, entry, f"hydra.run.dir={run_dir}", f"model.tiny.dir={tmp_path / 'tiny'}",
                "model.tiny.format_warmup_steps=30", "env.name=appworld", "env.pool.workers=2",
                "env.pool.request_timeout_s=300", f"env.appworld.root={root}", "env.appworld.start_timeout_s=60",
                "data.tasks_per_step=2", "algorithm.group_size=2", "trainer.max_steps=1", "callbacks=none",
-               "report.eval_samples_per_task=0", *(["split=dev", "k=2"] if entry == "evaluate.py" else [])]
+               "report.eval_samples_per_task=0", *extra]
     run = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert run.returncode == 1
     last = run.stderr.strip().splitlines()[-1].split("\r")[-1].strip()
@@ -240,3 +242,4 @@ def test_a_broken_setup_stops_training_and_evaluation_with_one_line(env_kwargs, 
     log = Path(re.search(r"\(server log: (\S+)\)", last).group(1))
     assert log.parent == run_dir / "env_logs" and "NotADirectoryError" in log.read_text()
     assert not (run_dir / "final_hf").exists()
+    assert "Traceback" not in run.stderr and run.stderr.count("environment error:") == 1

@@ -16,7 +16,7 @@ import lightning as L
 import torch
 
 from canopy.coverage import group_composition
-from canopy.envs.base import Environment, Task
+from canopy.envs.base import Environment, SystemicFaultError, Task
 from canopy.objective import group_advantages
 from canopy.rollout.agent_loop import Budget, Trajectory, run_episodes
 from canopy.rollout.engine import SamplingParams
@@ -168,12 +168,21 @@ class RolloutStream:
         return self.length
 
     def __next__(self) -> RolloutBatch:
-        """Rank 0 generates; with several processes the batch is broadcast so every rank sees the same one."""
+        """Rank 0 generates; with several processes the batch is broadcast so every rank sees the same one, and a
+        broken setup (`SystemicFaultError`) stops every rank, not only the one that saw it."""
         trainer = self.datamodule.trainer
         if trainer is None or trainer.world_size == 1:
             return self.datamodule.next_batch()
-        batch = self.datamodule.next_batch() if trainer.is_global_zero else None
-        return trainer.strategy.broadcast(batch, src=0)
+        batch = None
+        if trainer.is_global_zero:
+            try:
+                batch = self.datamodule.next_batch()
+            except SystemicFaultError as error:
+                batch = error
+        batch = trainer.strategy.broadcast(batch, src=0)
+        if isinstance(batch, SystemicFaultError):
+            raise batch
+        return batch
 
 
 class RolloutDataModule(L.LightningDataModule):
