@@ -9,7 +9,7 @@ STAMP := $(VENV)/.canopy-installed
 APPWORLD_VENV ?= .venv-appworld
 APPWORLD_STAMP := $(APPWORLD_VENV)/.canopy-installed
 
-.PHONY: train test bench clean appworld
+.PHONY: train test lint bench clean appworld
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(SYSTEM_PYTHON) -m venv $(VENV)
@@ -30,7 +30,12 @@ $(APPWORLD_STAMP):
 
 appworld: $(APPWORLD_STAMP)
 
-test: $(STAMP) $(APPWORLD_STAMP)
+# ruff lint and format (pyproject.toml: line length 120), then pytest
+lint: $(STAMP)
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
+test: lint $(APPWORLD_STAMP)
 	$(PY) -m pytest -q -ra $(PYTEST_ARGS)
 
 bench: $(STAMP)

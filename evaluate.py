@@ -1,8 +1,8 @@
 """Evaluate a policy (Section 4.1, Table 3, Fig. 5) or run the pilot (Section 3.2, Eq. 5).
 
-    python evaluate.py checkpoint=outputs/.../final_hf budget=embedded_enlarged split=dev k=4
-    python evaluate.py experiment=appworld_canopy checkpoint=... budget=enlarged split=test_normal k=4
-    python evaluate.py pilot=true tau=0.9
+python evaluate.py checkpoint=outputs/.../final_hf budget=embedded_enlarged split=dev k=4
+python evaluate.py experiment=appworld_canopy checkpoint=... budget=enlarged split=test_normal k=4
+python evaluate.py pilot=true tau=0.9
 """
 
 import json
@@ -59,8 +59,18 @@ def run(cfg: DictConfig, env, engine, tokenizer, tasks, out_dir: Path) -> None:
     """The pilot (per-tier base success and Eq. 5's group size) or the evaluation (Table 3 rows, Fig. 5)."""
     budget, sampling = build_budget(cfg), build_sampling(cfg)
     if cfg.pilot:
-        runs, _ = sample_runs(engine, env, tokenizer, tasks, cfg.pilot_samples, budget, sampling, cfg.seed, "pilot",
-                              cfg.env.max_quarantine_fraction)
+        runs, _ = sample_runs(
+            engine,
+            env,
+            tokenizer,
+            tasks,
+            cfg.pilot_samples,
+            budget,
+            sampling,
+            cfg.seed,
+            "pilot",
+            cfg.env.max_quarantine_fraction,
+        )
         rates = {}
         for tier in sorted({t.tier for t in tasks}):
             outcomes = [o for t in tasks if t.tier == tier for o in runs.get(t.task_id, [])]
@@ -69,14 +79,34 @@ def run(cfg: DictConfig, env, engine, tokenizer, tasks, out_dir: Path) -> None:
         report = pilot_report(rates, cfg.tau, groups)
         (out_dir / "pilot.json").write_text(json.dumps(report, indent=2))
         plot_coverage(out_dir / "fig2_coverage.png", cfg.algorithm.group_size, {t: p for t, (p, _) in rates.items()})
-        print(f"\nPilot on {cfg.data.split} ({cfg.pilot_samples} rollouts per task, {budget_label(cfg.budget)}):\n"
-              f"{format_pilot(report, groups)}\n\nwritten: {out_dir}/pilot.json, fig2_coverage.png")
+        print(
+            f"\nPilot on {cfg.data.split} ({cfg.pilot_samples} rollouts per task, {budget_label(cfg.budget)}):\n"
+            f"{format_pilot(report, groups)}\n\nwritten: {out_dir}/pilot.json, fig2_coverage.png"
+        )
         return
     policy = cfg.policy or (Path(cfg.checkpoint).name if cfg.checkpoint else "base")
-    runs, quarantined = sample_runs(engine, env, tokenizer, tasks, cfg.k, budget, sampling, cfg.seed, f"eval {policy}",
-                                    cfg.env.max_quarantine_fraction)
-    result = evaluation(tasks, runs, quarantined, policy=policy, checkpoint=cfg.checkpoint,
-                        budget=budget_label(cfg.budget), split=cfg.split, k=cfg.k)
+    runs, quarantined = sample_runs(
+        engine,
+        env,
+        tokenizer,
+        tasks,
+        cfg.k,
+        budget,
+        sampling,
+        cfg.seed,
+        f"eval {policy}",
+        cfg.env.max_quarantine_fraction,
+    )
+    result = evaluation(
+        tasks,
+        runs,
+        quarantined,
+        policy=policy,
+        checkpoint=cfg.checkpoint,
+        budget=budget_label(cfg.budget),
+        split=cfg.split,
+        k=cfg.k,
+    )
     results = ([json.loads(Path(cfg.transfer_from).read_text())[0]] if cfg.transfer_from else []) + [result]
     json_path, md_path = write_results(out_dir, "eval", [result])
     figure = plot_budget_transfer(results, out_dir / "fig5_budget_transfer.png")

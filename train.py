@@ -1,4 +1,4 @@
-"""Train with the CANOPY recipe: `python train.py` (embedded default) or `python train.py experiment=appworld_canopy`."""
+"""Train with the CANOPY recipe: `python train.py` (the embedded default) or `experiment=appworld_canopy`."""
 
 import sys
 from pathlib import Path
@@ -36,8 +36,14 @@ def main(cfg: DictConfig) -> None:
     logger = TensorBoardLogger(run_dir, name="tensorboard", version="")
     if cfg.checkpoint.every_n_steps:
         callbacks.append(
-            AtomicCheckpoint(dirpath=run_dir / "checkpoints", every_n_train_steps=cfg.checkpoint.every_n_steps,
-                            save_top_k=-1, save_last=True, filename="step{step}", auto_insert_metric_name=False)
+            AtomicCheckpoint(
+                dirpath=run_dir / "checkpoints",
+                every_n_train_steps=cfg.checkpoint.every_n_steps,
+                save_top_k=-1,
+                save_last=True,
+                filename="step{step}",
+                auto_insert_metric_name=False,
+            )
         )
     trainer = L.Trainer(
         accelerator=cfg.trainer.accelerator,
@@ -70,7 +76,10 @@ def main(cfg: DictConfig) -> None:
     if base is not None:
         final = success_by_tier(datamodule, samples, "evaluating final policy")
         print(f"\nSuccess on the training tasks ({samples} samples per task):\n{write_summary(run_dir, base, final)}")
-    print(f"\nfinal policy (HF format): {final_dir}\nplots: {', '.join(p.name for p in plots)}\nTensorBoard: tensorboard --logdir {logger.log_dir}")
+    print(
+        f"\nfinal policy (HF format): {final_dir}\nplots: {', '.join(p.name for p in plots)}\nTensorBoard: "
+        f"tensorboard --logdir {logger.log_dir}"
+    )
 
 
 if __name__ == "__main__":

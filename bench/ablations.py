@@ -26,8 +26,15 @@ VARIANTS = ["recipe"] + sorted(p.stem for p in (ROOT / "conf" / "ablation").glob
 
 def run_variant(name: str, steps: int, eval_k: int, out_dir: Path, extra: list[str]) -> Path:
     run_dir = out_dir / name
-    command = [sys.executable, "train.py", f"hydra.run.dir={run_dir}", f"trainer.max_steps={steps}",
-               "report.eval_samples_per_task=0", f"eval.k={eval_k}", *extra]
+    command = [
+        sys.executable,
+        "train.py",
+        f"hydra.run.dir={run_dir}",
+        f"trainer.max_steps={steps}",
+        "report.eval_samples_per_task=0",
+        f"eval.k={eval_k}",
+        *extra,
+    ]
     if name != "recipe":
         command.append(f"ablation={name}")
     started = time.perf_counter()
@@ -45,9 +52,14 @@ def diagnostics(name: str, run_dir: Path) -> dict:
     s = read_scalars(run_dir / "tensorboard")
     last = {key: s[key][-1][1] for key in ("reward/success", "actor/entropy", "actor/pg_clipfrac", "actor/grad_norm")}
     grad_norms = [v for _, v in s["actor/grad_norm"]]
-    row = {"variant": name, "train_success": last["reward/success"], "entropy": last["actor/entropy"],
-           "clipfrac": last["actor/pg_clipfrac"], "grad_norm_mean": sum(grad_norms) / len(grad_norms),
-           "grad_norm_final": last["actor/grad_norm"]}
+    row = {
+        "variant": name,
+        "train_success": last["reward/success"],
+        "entropy": last["actor/entropy"],
+        "clipfrac": last["actor/pg_clipfrac"],
+        "grad_norm_mean": sum(grad_norms) / len(grad_norms),
+        "grad_norm_final": last["actor/grad_norm"],
+    }
     transfer = run_dir / "budget_transfer.json"
     if transfer.is_file():
         row["dev_tgc"] = json.loads(transfer.read_text())[0]["metrics"]["all"]["tgc_mean"]
@@ -56,22 +68,31 @@ def diagnostics(name: str, run_dir: Path) -> dict:
 
 
 def format_table(rows: list[dict], eval_k: int) -> str:
-    lines = [f"| Variant | train success | dev TGC m@{eval_k} | entropy | clip frac | grad norm (mean) | grad norm (final) |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        f"| Variant | train success | dev TGC m@{eval_k} | entropy | clip frac | grad norm (mean) | grad norm "
+        "(final) |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         dev = f"{100 * r['dev_tgc']:.1f}" if "dev_tgc" in r else "-"
-        lines.append(f"| {r['variant']} | {r['train_success']:.3f} | {dev} | {r['entropy']:.3f} | {r['clipfrac']:.2g} | "
-                     f"{r['grad_norm_mean']:.3g} | {r['grad_norm_final']:.3g} |")
+        lines.append(
+            f"| {r['variant']} | {r['train_success']:.3f} | {dev} | {r['entropy']:.3f} | {r['clipfrac']:.2g} | "
+            f"{r['grad_norm_mean']:.3g} | {r['grad_norm_final']:.3g} |"
+        )
     return "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=50, help="optimizer steps per variant (the recipe's 200 take ~4 min)")
+    parser.add_argument(
+        "--steps", type=int, default=50, help="optimizer steps per variant (the recipe's 200 take ~4 min)"
+    )
     parser.add_argument("--eval-k", type=int, default=4, help="dev runs per task at the end (mean@k)")
     parser.add_argument("--variants", nargs="+", default=VARIANTS, choices=VARIANTS)
     parser.add_argument("--out", type=Path, default=ROOT / "outputs" / "ablations" / time.strftime("%Y-%m-%d_%H-%M-%S"))
-    parser.add_argument("overrides", nargs="*", help="Hydra overrides given to every variant, e.g. data.tasks_per_step=4")
+    parser.add_argument(
+        "overrides", nargs="*", help="Hydra overrides given to every variant, e.g. data.tasks_per_step=4"
+    )
     args = parser.parse_args()
     variants = ["recipe"] + [v for v in args.variants if v != "recipe"]  # the recipe is the reference
     rows = [diagnostics(v, run_variant(v, args.steps, args.eval_k, args.out, args.overrides)) for v in variants]

@@ -26,10 +26,15 @@ def main() -> None:
     counts, rows = soak(args.episodes, args.workers, args.fault_rate, args.seed)
     for job, trajectory, observed in rows:
         if observed != job.expected:
-            print(f"  {job.task.task_id} phase={job.task.spec.get('phase')}: expected {job.expected}, got {observed} "
-                  f"(ending {trajectory.ending}, quarantine {trajectory.quarantine}, agent failure {trajectory.agent_failure})")
-    print(f"{args.episodes} episodes, {args.workers} workers, {counts['seconds']:.0f} s "
-          f"({args.episodes / counts['seconds']:.1f} episodes/s), {counts['repairs']} workers repaired at health checks")
+            print(
+                f"  {job.task.task_id} phase={job.task.spec.get('phase')}: expected {job.expected}, got {observed} "
+                f"(ending {trajectory.ending}, quarantine {trajectory.quarantine}, agent failure "
+                f"{trajectory.agent_failure})"
+            )
+    print(
+        f"{args.episodes} episodes, {args.workers} workers, {counts['seconds']:.0f} s "
+        f"({args.episodes / counts['seconds']:.1f} episodes/s), {counts['repairs']} workers repaired at health checks"
+    )
     print("endings: " + ", ".join(f"{reason} {n}" for reason, n in counts["endings"].most_common()))
     print(soak_line(counts))
     sys.exit(1 if counts["misclassified"] or counts["lost"] else 0)

@@ -56,8 +56,10 @@ def main() -> None:
             update(policy, input_ids, mask, ref_logprobs, advantages, recompute)
             times[recompute].append(time.perf_counter() - started)
     fast, slow = statistics.median(times[False]), statistics.median(times[True])
-    print(f"model: hidden {args.hidden_size}, {args.layers} layers; batch {args.batch} x {args.seq_len} tokens; "
-          f"median of {args.repeats}")
+    print(
+        f"model: hidden {args.hidden_size}, {args.layers} layers; batch {args.batch} x {args.seq_len} tokens; "
+        f"median of {args.repeats}"
+    )
     print(f"on-policy fast path (detached old logprobs): {fast * 1e3:8.1f} ms")
     print(f"recompute old logprobs (extra forward):     {slow * 1e3:8.1f} ms")
     print(f"ratio recompute / fast path: {slow / fast:.2f}x")

@@ -1,5 +1,6 @@
 """Builds the run's parts from a validated config: tokenizer, environment, engine, budget, data and module."""
 
+from dataclasses import fields
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
@@ -40,14 +41,20 @@ def build_env(cfg: DictConfig, log_dir: str | Path | None = None):
     """The environment, in-process, or behind a pool of isolated worker processes when `env.pool.workers > 0`
     (keeping the logs of faulted workers and servers in `log_dir`, e.g. the run's `env_logs/`)."""
     if cfg.env.name not in ENVIRONMENT_FACTORIES:
-        raise ConfigError(f"env.name={cfg.env.name!r} has no environment in this build yet: use one of {', '.join(ENVIRONMENT_FACTORIES)}")
+        raise ConfigError(
+            f"env.name={cfg.env.name!r} has no environment in this build yet: use one of "
+            f"{', '.join(ENVIRONMENT_FACTORIES)}"
+        )
     factory = ENVIRONMENT_FACTORIES[cfg.env.name]
     kwargs = {}
     if cfg.env.name == "python_tasks":
         kwargs = {"sandbox": OmegaConf.to_container(cfg.env.sandbox)}
     if cfg.env.name == "appworld":  # one live world per process: always behind the pool (validated)
         if not cfg.env.pool.workers:
-            raise ConfigError("env.name=appworld needs env.pool.workers >= 1 (AppWorld holds one world per process), e.g. env.pool.workers=64")
+            raise ConfigError(
+                "env.name=appworld needs env.pool.workers >= 1 (AppWorld holds one world per process), e.g. "
+                "env.pool.workers=64"
+            )
         kwargs = OmegaConf.to_container(cfg.env.appworld, resolve=True)
     if cfg.env.pool.workers:
         return EnvironmentPool(factory, kwargs, PoolSettings(**OmegaConf.to_container(cfg.env.pool)), log_dir=log_dir)
@@ -58,25 +65,28 @@ def build_engine(cfg: DictConfig, model_path: str, tokenizer):
     stop = [tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.convert_tokens_to_ids("<|endoftext|>")]
     rope_scaling = cfg.budget.rope_scaling and OmegaConf.to_container(cfg.budget.rope_scaling)
     if cfg.engine.name == "local":
-        return LocalEngine(model_path, stop_token_ids=stop, pad_token_id=tokenizer.pad_token_id, seed=cfg.seed,
-                           rope_scaling=rope_scaling)
+        return LocalEngine(
+            model_path,
+            stop_token_ids=stop,
+            pad_token_id=tokenizer.pad_token_id,
+            seed=cfg.seed,
+            rope_scaling=rope_scaling,
+        )
     if cfg.engine.name == "sglang":
         settings = SGLangSettings(**OmegaConf.to_container(cfg.engine.sglang, resolve=True))
-        return SGLangEngine(model_path, stop, settings, context_length=cfg.budget.max_context_tokens,
-                            rope_scaling=rope_scaling, seed=cfg.seed)
+        return SGLangEngine(
+            model_path,
+            stop,
+            settings,
+            context_length=cfg.budget.max_context_tokens,
+            rope_scaling=rope_scaling,
+            seed=cfg.seed,
+        )
     raise ConfigError(f"engine.name={cfg.engine.name!r} is unknown: use engine.name=local or engine.name=sglang")
 
 
 def build_budget(cfg: DictConfig) -> Budget:
-    b = cfg.budget
-    return Budget(
-        max_turns=b.max_turns,
-        max_response_tokens=b.max_response_tokens,
-        max_prompt_tokens=b.max_prompt_tokens,
-        max_observation_tokens=b.max_observation_tokens,
-        max_context_tokens=b.max_context_tokens,
-        per_turn_generation_cap=b.per_turn_generation_cap,
-    )
+    return Budget(**{field.name: cfg.budget[field.name] for field in fields(Budget)})
 
 
 def build_sampling(cfg: DictConfig) -> SamplingParams:

@@ -30,7 +30,9 @@ def _line(ax, series: Series, key: str, smooth: int = 1, **style) -> None:
     """Plot `series[key]`; with `smooth` > 1, each point is the mean of the last `smooth` values."""
     if key in series:
         steps, values = zip(*series[key])
-        values = [sum(values[max(0, i - smooth + 1) : i + 1]) / (i + 1 - max(0, i - smooth + 1)) for i in range(len(values))]
+        values = [
+            sum(values[max(0, i - smooth + 1) : i + 1]) / (i + 1 - max(0, i - smooth + 1)) for i in range(len(values))
+        ]
         ax.plot(steps, values, **{"linewidth": 1.2, "label": key, **style})
 
 
@@ -62,7 +64,9 @@ def plot_coverage(out_png: str | Path, group_size: int = 32, tier_rates: dict[st
     ns = list(range(1, 129))
     rates = {f"p={p}": p for p in (0.05, 0.2, 0.5)} | {f"{t} p={p:.2f}": p for t, p in (tier_rates or {}).items()}
     for label, p in rates.items():
-        a.plot(ns, [signal_coverage(p, n) for n in ns], label=label, linestyle="--" if label.startswith("tier") else "-")
+        a.plot(
+            ns, [signal_coverage(p, n) for n in ns], label=label, linestyle="--" if label.startswith("tier") else "-"
+        )
     a.axvline(group_size, color="gray", linewidth=0.8, label=f"n={group_size}")
     a.set(xscale="log", xlabel="group size n", ylabel="P_sig", title="(a) coverage vs n")
     ps = [i / 200 for i in range(201)]
@@ -85,7 +89,15 @@ def plot_group_composition(series: Series, out_png: str | Path) -> Path:
     for i, tier in enumerate(_tiers(series)):
         color = f"C{i}"
         _line(b, series, f"coverage/mixed_{tier}", smooth=SMOOTH, label=f"{tier} observed", color=color)
-        _line(b, series, f"coverage/psig_{tier}", smooth=SMOOTH, label=f"{tier} P_sig (Eq. 4)", color=color, linestyle="--")
+        _line(
+            b,
+            series,
+            f"coverage/psig_{tier}",
+            smooth=SMOOTH,
+            label=f"{tier} P_sig (Eq. 4)",
+            color=color,
+            linestyle="--",
+        )
     b.set(title=f"(B) informative groups by tier ({SMOOTH}-step mean)", xlabel="step", ylabel="mixed fraction")
     for ax in (a, b):
         ax.set_ylim(-0.02, 1.02)
@@ -102,8 +114,9 @@ def plot_drift(runs: dict[str, Series], out_png: str | Path) -> Path:
         color = f"C{i}"
         _line(a, series, "actor/entropy", label=label, color=color)
         _line(b, series, "reward/success", label=f"{label} train success", color=color, alpha=0.5)
-        _line(b, series, "eval/training_budget/tgc_all", label=f"{label} dev TGC", color=color, marker="o",
-              linestyle="--")
+        _line(
+            b, series, "eval/training_budget/tgc_all", label=f"{label} dev TGC", color=color, marker="o", linestyle="--"
+        )
     a.set(title="policy entropy (action tokens)", xlabel="step", ylabel="entropy")
     b.set(title="score", xlabel="step", ylabel="success / TGC", ylim=(-0.02, 1.02))
     for ax in (a, b):

@@ -60,7 +60,10 @@ def soak_jobs(count: int, fault_rate: float, seed: int, base_tasks: list[Task]) 
         kind = rng.choice(INFRA_FAULTS + AGENT_FAULTS + (ESCAPE,)) if rng.random() < fault_rate else "clean"
         spec = dict(base.spec)
         if kind in INFRA_FAULTS:
-            spec.update(inject=kind, phase=rng.choice(("step", "verdict") if kind == "corruption" else ("start", "step", "verdict")))
+            spec.update(
+                inject=kind,
+                phase=rng.choice(("step", "verdict") if kind == "corruption" else ("start", "step", "verdict")),
+            )
         expected = "quarantined" if kind in INFRA_FAULTS else "agent_scored_0" if kind in AGENT_FAULTS else "success"
         jobs.append(SoakJob(Task(f"soak{i}-{kind}", base.tier, base.scenario, spec), kind, expected))
     return jobs
@@ -118,15 +121,28 @@ def soak(episodes: int, workers: int, fault_rate: float = 0.5, seed: int = 0, re
     sandbox = {"cpu_seconds": 1, "wall_seconds": 2.0, "memory_mb": 256, "max_processes": 8}
     settings = PoolSettings(workers=workers, memory_mb=1024, request_timeout_s=request_timeout_s, health_timeout_s=2.0)
     tokenizer = build_byte_tokenizer()
-    budget = Budget(max_turns=3, max_response_tokens=4096, max_prompt_tokens=1024, max_observation_tokens=512,
-                    max_context_tokens=8192)
+    budget = Budget(
+        max_turns=3,
+        max_response_tokens=4096,
+        max_prompt_tokens=1024,
+        max_observation_tokens=512,
+        max_context_tokens=8192,
+    )
     started = time.monotonic()
     pool = EnvironmentPool("canopy.envs.fault_injection:FaultInjectingEnvironment", {"sandbox": sandbox}, settings)
     jobs, trajectories = [], []
     try:
         jobs = soak_jobs(episodes, fault_rate, seed, pool.tasks("train"))
-        trajectories, _ = run_episodes(SoakAgent(tokenizer, jobs), pool, tokenizer, [(job.task, 0) for job in jobs],
-                                       budget, SamplingParams(), seed=seed, description="fault soak")
+        trajectories, _ = run_episodes(
+            SoakAgent(tokenizer, jobs),
+            pool,
+            tokenizer,
+            [(job.task, 0) for job in jobs],
+            budget,
+            SamplingParams(),
+            seed=seed,
+            description="fault soak",
+        )
     except Exception as error:  # a run that raised lost every episode in it
         print(f"soak aborted: {error!r}")
         trajectories = []
@@ -149,5 +165,7 @@ def soak(episodes: int, workers: int, fault_rate: float = 0.5, seed: int = 0, re
 
 
 def soak_line(counts: dict) -> str:
-    return (f"faults: {counts['injected']} injected, {counts['quarantined']} quarantined, {counts['agent_failed']} "
-            f"agent-failed, {counts['misclassified']} misclassified, {counts['lost']} lost")
+    return (
+        f"faults: {counts['injected']} injected, {counts['quarantined']} quarantined, {counts['agent_failed']} "
+        f"agent-failed, {counts['misclassified']} misclassified, {counts['lost']} lost"
+    )

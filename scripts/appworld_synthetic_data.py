@@ -21,7 +21,7 @@ SUPERVISOR = {"first_name": "Ada", "last_name": "Park", "email": "ada.park@examp
 DATETIME = "2023-05-18T12:00:00"
 APPS = ["admin", "supervisor", "api_docs"]
 EVALUATION = dedent(
-    '''
+    """
     import json
 
 
@@ -31,14 +31,21 @@ EVALUATION = dedent(
             test.case(task.status, "==", "success")
         with test("the answer is right"):
             test.answer(json.loads(task.answer), ground_truth_answer)
-    '''
+    """
 ).lstrip()
 # (scenario, split, difficulty, [(instruction, answer) per task])
 SCENARIOS = [
     ("a1a1a1a", "train", 1, [("What is 17 plus 25?", 42), ("What is 3 plus 4?", 7), ("What is 10 plus 90?", 100)]),
-    ("b2b2b2b", "train", 2, [("What is my phone number?", SUPERVISOR["phone_number"]),
-                             ("What is my email address?", SUPERVISOR["email"]),
-                             ("What is my last name?", SUPERVISOR["last_name"])]),
+    (
+        "b2b2b2b",
+        "train",
+        2,
+        [
+            ("What is my phone number?", SUPERVISOR["phone_number"]),
+            ("What is my email address?", SUPERVISOR["email"]),
+            ("What is my last name?", SUPERVISOR["last_name"]),
+        ],
+    ),
     ("c3c3c3c", "dev", 3, [("What is my first name followed by the sum of 2 and 2, with no space?", "Ada4")]),
     ("d4d4d4d", "test_normal", 1, [("What is 1 plus 1?", 2)]),
     ("e5e5e5e", "test_challenge", 2, [("What is my first name?", SUPERVISOR["first_name"])]),
@@ -57,26 +64,38 @@ def write_task(data: str, task_id: str, instruction: str, answer, difficulty: in
 
     task_dir = os.path.join(data, "tasks", task_id)
     os.makedirs(os.path.join(task_dir, "ground_truth"))
-    specs = {"instruction": instruction, "supervisor": SUPERVISOR, "datetime": DATETIME,
-             "db_version": DB_VERSION, "canary_string": CANARY_STRING}
+    specs = {
+        "instruction": instruction,
+        "supervisor": SUPERVISOR,
+        "datetime": DATETIME,
+        "db_version": DB_VERSION,
+        "canary_string": CANARY_STRING,
+    }
     write_json(specs, os.path.join(task_dir, "specs.json"))
 
     memory = get_db_home_path(storage_type="memory", type="task_input", task_id=task_id)
-    models = ModelCollection.load(to_db_home_path=memory, from_db_home_path=memory,
-                                  load_apps=APPS, create_db=True)
+    models = ModelCollection.load(to_db_home_path=memory, from_db_home_path=memory, load_apps=APPS, create_db=True)
     supervisor = models.supervisor.Supervisor.create(**SUPERVISOR, birthday="1990-01-01")
     supervisor.save()
     models.supervisor.Task.create(supervisor_id=supervisor.id, instruction=instruction).save()
     models.admin.MainUser.create(**SUPERVISOR, birthday="1990-01-01").save()
     for app_name, docs in api_docs.items():  # what `apis.api_docs.*` serves (the official base DBs hold it)
         for doc in docs.values():
-            fields = {key: doc[key] for key in ("api_name", "path", "method", "description", "parameters", "response_schemas")}
+            fields = {
+                key: doc[key] for key in ("api_name", "path", "method", "description", "parameters", "response_schemas")
+            }
             models.api_docs.ApiDoc.create(app_name_=app_name, **fields).save()
     models.save(db_home_path=os.path.join(task_dir, "dbs"), app_names=APPS, format="full")
 
     ground_truth = os.path.join(task_dir, "ground_truth")
-    metadata = {"difficulty": difficulty, "mode": "minimal", "num_apps": 1, "num_apis": 1, "num_api_calls": 1,
-                "num_solution_code_lines": 1}  # the counts a minimal-mode ground truth must carry
+    metadata = {
+        "difficulty": difficulty,
+        "mode": "minimal",
+        "num_apps": 1,
+        "num_apis": 1,
+        "num_api_calls": 1,
+        "num_solution_code_lines": 1,
+    }  # the counts a minimal-mode ground truth must carry
     write_json(metadata, os.path.join(ground_truth, "metadata.json"))
     with open(os.path.join(ground_truth, "evaluation.py"), "w") as file:
         file.write(EVALUATION)
@@ -84,8 +103,10 @@ def write_task(data: str, task_id: str, instruction: str, answer, difficulty: in
         file.write(json.dumps(answer))
     write_json({}, os.path.join(ground_truth, "public_data.json"))
     write_json({}, os.path.join(ground_truth, "private_data.json"))
-    tests = [{"requirement": "the task is marked complete", "label": "no_op_fail"},
-             {"requirement": "the answer is right", "label": "no_op_fail"}]
+    tests = [
+        {"requirement": "the task is marked complete", "label": "no_op_fail"},
+        {"requirement": "the answer is right", "label": "no_op_fail"},
+    ]
     write_json(tests, os.path.join(ground_truth, "test_data.json"))
 
 
@@ -100,8 +121,10 @@ def main(root: str) -> None:
     os.makedirs(os.path.join(data, "api_docs", "standard"))
     api_docs = ApiDocCollection.build()
     for app_name, docs in api_docs.items():  # as `ApiDocCollection.save` writes them
-        write_json({name: {**doc, "canary_string": CANARY_STRING} for name, doc in docs.items()},
-                   os.path.join(data, "api_docs", "standard", f"{app_name}.json"))
+        write_json(
+            {name: {**doc, "canary_string": CANARY_STRING} for name, doc in docs.items()},
+            os.path.join(data, "api_docs", "standard", f"{app_name}.json"),
+        )
     splits: dict[str, list[str]] = {"train": [], "dev": [], "test_normal": [], "test_challenge": []}
     for scenario, split, difficulty, tasks in SCENARIOS:
         for number, (instruction, answer) in enumerate(tasks, start=1):

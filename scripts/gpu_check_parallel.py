@@ -28,10 +28,12 @@ from pathlib import Path
 import torch
 
 H200_BF16_PEAK = 989e12  # dense bf16 FLOP/s
+# fmt: off
 GPU_MODEL = dict(hidden_size=1024, num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=8, head_dim=64,
                  intermediate_size=3072, vocab_size=32768, seq_len=8192, rows=4, micro_batch_tokens=16384)
 CPU_MODEL = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                  intermediate_size=128, vocab_size=512, seq_len=64, rows=4, micro_batch_tokens=128)
+# fmt: on
 COMPARED = ("actor/entropy", "actor/grad_norm", "actor/kl", "actor/loss")
 
 
@@ -39,10 +41,18 @@ def write_random_qwen3(path: Path, shape: dict) -> Path:
     """A random Qwen3 in HF format (config.json + model.safetensors); no tokenizer is needed for the update."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    keys = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
-            "intermediate_size", "vocab_size")
-    config = Qwen3Config(**{k: shape[k] for k in keys}, max_position_embeddings=shape["seq_len"],
-                         tie_word_embeddings=False)
+    keys = (
+        "hidden_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "intermediate_size",
+        "vocab_size",
+    )
+    config = Qwen3Config(
+        **{k: shape[k] for k in keys}, max_position_embeddings=shape["seq_len"], tie_word_embeddings=False
+    )
     torch.manual_seed(0)
     Qwen3ForCausalLM(config).save_pretrained(path)
     return path
@@ -62,8 +72,15 @@ def synthetic_batch(shape: dict, step: int, version: int):
     action_mask = action_mask & (position < lengths[:, None])
     input_ids[position >= lengths[:, None]] = 0
     advantages = torch.randn(rows, generator=g)
-    return RolloutBatch(input_ids, action_mask, torch.zeros(rows, width),
-                        (advantages - advantages.mean()) / advantages.std(), lengths, version, {})
+    return RolloutBatch(
+        input_ids,
+        action_mask,
+        torch.zeros(rows, width),
+        (advantages - advantages.mean()) / advantages.std(),
+        lengths,
+        version,
+        {},
+    )
 
 
 def run_worker(args) -> None:
@@ -100,30 +117,67 @@ def run_worker(args) -> None:
             self.times.append(time.perf_counter())
             self.metrics.append({k: float(v) for k, v in trainer.callback_metrics.items() if k in COMPARED})
 
-    module = CanopyModule(args.model, kl_coef=0.1, lr=1e-4, micro_batch_tokens=shape["micro_batch_tokens"],
-                          parallel=ParallelSettings(dp_shard=args.dp, tp=args.tp, cp=args.cp))
+    module = CanopyModule(
+        args.model,
+        kl_coef=0.1,
+        lr=1e-4,
+        micro_batch_tokens=shape["micro_batch_tokens"],
+        parallel=ParallelSettings(dp_shard=args.dp, tp=args.tp, cp=args.cp),
+    )
     record = Record()
     trainer = L.Trainer(
-        accelerator="cpu" if args.cpu_dry_run else "gpu", devices=world,
+        accelerator="cpu" if args.cpu_dry_run else "gpu",
+        devices=world,
         strategy=ModelParallelStrategy(data_parallel_size=args.dp * args.cp, tensor_parallel_size=args.tp)
-        if world > 1 else "auto",
-        precision="32-true" if args.cpu_dry_run else "bf16-mixed", max_steps=args.steps, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[record],
+        if world > 1
+        else "auto",
+        precision="32-true" if args.cpu_dry_run else "bf16-mixed",
+        max_steps=args.steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[record],
     )
     trainer.fit(module, datamodule=SyntheticRollouts())
     _, flops_per_token = module.policy.config.get_nparams_and_flops(module.policy, shape["seq_len"])
     if trainer.is_global_zero:
-        Path(args.out).write_text(json.dumps({
-            "metrics": record.metrics, "step_times": [b - a for a, b in zip(record.times, record.times[1:])],
-            "tokens_per_step": shape["rows"] * shape["seq_len"], "flops_per_token": flops_per_token, "world": world,
-        }))
+        Path(args.out).write_text(
+            json.dumps(
+                {
+                    "metrics": record.metrics,
+                    "step_times": [b - a for a, b in zip(record.times, record.times[1:])],
+                    "tokens_per_step": shape["rows"] * shape["seq_len"],
+                    "flops_per_token": flops_per_token,
+                    "world": world,
+                }
+            )
+        )
 
 
 def run_part(args, dp: int, tp: int, cp: int, out: Path, timeout: int) -> dict | None:
     """Launch one part under torchrun; its rank 0's results, or None (with the reason printed) if it failed."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={dp * tp * cp}",
-               __file__, "--worker", "--model", str(args.model), "--out", str(out), "--steps", str(args.steps),
-               "--dp", str(dp), "--tp", str(tp), "--cp", str(cp)] + (["--cpu-dry-run"] if args.cpu_dry_run else [])
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={dp * tp * cp}",
+        __file__,
+        "--worker",
+        "--model",
+        str(args.model),
+        "--out",
+        str(out),
+        "--steps",
+        str(args.steps),
+        "--dp",
+        str(dp),
+        "--tp",
+        str(tp),
+        "--cp",
+        str(cp),
+    ] + (["--cpu-dry-run"] if args.cpu_dry_run else [])
     root = str(Path(__file__).resolve().parents[1])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
     try:
@@ -143,8 +197,10 @@ def report_speed(result: dict, peak: float | None) -> None:
     tokens = result["tokens_per_step"]
     flops = tokens * result["flops_per_token"] * (1 + 1 / 3)  # policy forward + backward, reference forward
     mfu = f"{100 * flops / step_time / (peak * result['world']):.1f}%" if peak else "n/a (CPU)"
-    print(f"  step time {step_time:.3f} s, {tokens / step_time:,.0f} tokens/s, MFU {mfu}, "
-          f"{flops / 1e12:.2f} TFLOP per step")
+    print(
+        f"  step time {step_time:.3f} s, {tokens / step_time:,.0f} tokens/s, MFU {mfu}, "
+        f"{flops / 1e12:.2f} TFLOP per step"
+    )
 
 
 def compare(single: dict, sharded: dict, tolerance: float) -> list[str]:

@@ -84,8 +84,10 @@ def check_samples(
     lp = [g.logprobs for g in generations]
     same = gap(lp, hf_logprobs(reference_dir, prompts, generations, sampling.temperature))
     at_t1 = gap(lp, hf_logprobs(reference_dir, prompts, generations, 1.0))
-    detail = (f"{len(generations)} samples in {elapsed:.2f} s, versions {sorted(versions)}, "
-              f"|lp - HF(T={sampling.temperature})| {same:.4f}, |lp - HF(T=1)| {at_t1:.4f}")
+    detail = (
+        f"{len(generations)} samples in {elapsed:.2f} s, versions {sorted(versions)}, "
+        f"|lp - HF(T={sampling.temperature})| {same:.4f}, |lp - HF(T=1)| {at_t1:.4f}"
+    )
     ok = versions == {version} and same < 0.1 and all(math.isfinite(x) and x <= 0 for xs in lp for x in xs)
     if other_dir is not None:
         old = gap(lp, hf_logprobs(other_dir, prompts, generations, sampling.temperature))
@@ -110,8 +112,15 @@ def main() -> None:
         sys.exit(1)
     work = Path(tempfile.mkdtemp(prefix="canopy-sglang-check-"))
     base_dir = build_tiny_checkpoint(  # head_dim 64, which every SGLang attention backend supports
-        work / "base", hidden_size=256, layers=2, heads=4, kv_heads=2, intermediate_size=768,
-        max_position_embeddings=4096, pad_vocab_multiple=64, seed=0,
+        work / "base",
+        hidden_size=256,
+        layers=2,
+        heads=4,
+        kv_heads=2,
+        intermediate_size=768,
+        max_position_embeddings=4096,
+        pad_vocab_multiple=64,
+        seed=0,
     )
     base = load_file(base_dir / "model.safetensors")
     stops = [2, 0]  # <|im_end|>, <|endoftext|>
@@ -121,8 +130,14 @@ def main() -> None:
     sampling = SamplingParams(temperature=0.7)
 
     settings = SGLangSettings(
-        python=python, base_port=free_port(), mem_fraction=0.2, sync_dir=str(work / "sync"),
-        extra_args=args.extra_args.split(), startup_timeout_s=300, request_timeout_s=120, max_retries=1,
+        python=python,
+        base_port=free_port(),
+        mem_fraction=0.2,
+        sync_dir=str(work / "sync"),
+        extra_args=args.extra_args.split(),
+        startup_timeout_s=300,
+        request_timeout_s=120,
+        max_retries=1,
     )
     started = time.perf_counter()
     try:
@@ -142,8 +157,12 @@ def main() -> None:
 
         backend = "nccl" if torch.cuda.device_count() > 1 else "gloo"  # NCCL cannot put two ranks on one GPU
         attached = SGLangSettings(
-            urls=[f"http://127.0.0.1:{settings.base_port}"], weight_sync="distributed", sync_backend=backend,
-            sync_master_port=free_port(), sync_dir=str(work / "sync_attached"), request_timeout_s=120,
+            urls=[f"http://127.0.0.1:{settings.base_port}"],
+            weight_sync="distributed",
+            sync_backend=backend,
+            sync_master_port=free_port(),
+            sync_dir=str(work / "sync_attached"),
+            request_timeout_s=120,
         )
         trainer = SGLangEngine(base_dir, stops, attached)  # attaching resets the server to the base weights, version 0
         check_samples("attach resets to base v0", trainer, prompts, sampling, 0, base_dir, None)

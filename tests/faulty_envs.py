@@ -25,6 +25,9 @@ class FailingEnvironment(EmbeddedEnvironment):
 
     def start(self, task: Task, seed: int):
         if self.failing is None or task.task_id in self.failing:
-            raise EnvironmentFault("server_request_failed", f"/initialize answered 500 for {task.task_id}:\nTraceback ...\n"
-                                                            "PermissionError: [Errno 13] Permission denied: '/home/u/.ipython'")
+            raise EnvironmentFault(
+                "server_request_failed",
+                f"/initialize answered 500 for {task.task_id}:\nTraceback ...\n"
+                "PermissionError: [Errno 13] Permission denied: '/home/u/.ipython'",
+            )
         return super().start(task, seed)

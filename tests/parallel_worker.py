@@ -2,7 +2,10 @@
 
 import json
 import os
+import socket
+import subprocess
 import sys
+from pathlib import Path
 from unittest import mock
 
 import torch
@@ -13,6 +16,28 @@ from canopy.modules.canopy_module import token_logprobs
 from canopy.modules.parallel import ParallelSettings, build_parallel_policy, data_parallel_rank
 from canopy.modules.policy import load_policy, unwrap
 from canopy.objective import canopy_loss
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(module: str, world: int, model_path, dp: int, other: int, out_dir) -> None:
+    """`python -m MODULE WORLD PORT MODEL DP OTHER OUT_DIR` from the repository root: `world` gloo ranks, each
+    writing `OUT_DIR/rank<r>.json`; fails with the ranks' stderr if any of them failed."""
+    command = [sys.executable, "-m", module, str(world), str(free_port()), str(model_path), str(dp), str(other)]
+    run = subprocess.run([*command, str(out_dir)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+
+
+def spawn_from_argv(main) -> None:
+    """The `__main__` of a worker module: spawn `main(rank, world, port, model, dp, other, out_dir)` per rank."""
+    world, port, path, dp, other, out = sys.argv[1:7]
+    torch.multiprocessing.spawn(main, args=(int(world), int(port), path, int(dp), int(other), out), nprocs=int(world))
 
 
 def batch(vocab: int):
@@ -32,8 +57,9 @@ def loss_and_grads(model, ids, targets, mask, advantages, ref, rows, n_tokens):
     with mock.patch.object(DTensor, "full_tensor", autospec=True, side_effect=DTensor.full_tensor) as gathered:
         logits = model(ids[rows])
         logprobs, entropy = token_logprobs(logits, targets[rows], 0.7)
-    loss, _ = canopy_loss(logprobs, logprobs.detach(), ref[rows], advantages[rows], mask[rows], kl_coef=0.1,
-                          num_action_tokens=n_tokens)
+    loss, _ = canopy_loss(
+        logprobs, logprobs.detach(), ref[rows], advantages[rows], mask[rows], kl_coef=0.1, num_action_tokens=n_tokens
+    )
     loss = loss - 0.01 * (entropy * mask[rows]).sum() / n_tokens
     loss.backward()
     local_vocab = (logits.to_local() if isinstance(logits, DTensor) else logits).shape[-1]
@@ -61,15 +87,25 @@ def main(rank: int, world: int, port: int, path: str, dp: int, tp: int, out: str
         ((unwrap(p.grad) - expected[name]).abs().max() / expected[name].abs().max().clamp_min(1e-12)).item()
         for name, p in model.named_parameters()
     )
-    weight_diff = max((unwrap(p.detach()) - dict(single.named_parameters())[name]).abs().max().item()
-                      for name, p in model.named_parameters())
+    weight_diff = max(
+        (unwrap(p.detach()) - dict(single.named_parameters())[name]).abs().max().item()
+        for name, p in model.named_parameters()
+    )
     with open(f"{out}/rank{rank}.json", "w") as f:
-        json.dump({"full_loss": full_loss.item(), "loss": loss.item(), "grad_diff": grad_diff,
-                   "weight_diff": weight_diff, "vocab": single.config.vocab_size, "local_vocab": local_vocab,
-                   "full_tensor_calls": gathered}, f)
+        json.dump(
+            {
+                "full_loss": full_loss.item(),
+                "loss": loss.item(),
+                "grad_diff": grad_diff,
+                "weight_diff": weight_diff,
+                "vocab": single.config.vocab_size,
+                "local_vocab": local_vocab,
+                "full_tensor_calls": gathered,
+            },
+            f,
+        )
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    world, port, path, dp, tp, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), sys.argv[6]
-    torch.multiprocessing.spawn(main, args=(world, port, path, dp, tp, out), nprocs=world)
+    spawn_from_argv(main)

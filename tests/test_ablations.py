@@ -12,12 +12,29 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.mark.slow
 def test_ablations_table_and_figure(tmp_path):
-    command = [sys.executable, "bench/ablations.py", "--steps", "1", "--eval-k", "1", "--variants", "no_kl",
-               "--out", str(tmp_path), f"model.tiny.dir={tmp_path / 'tiny'}", "model.tiny.format_warmup_steps=30",
-               "data.tasks_per_step=2", "algorithm.group_size=4", "eval.split=test"]
+    command = [
+        sys.executable,
+        "bench/ablations.py",
+        "--steps",
+        "1",
+        "--eval-k",
+        "1",
+        "--variants",
+        "no_kl",
+        "--out",
+        str(tmp_path),
+        f"model.tiny.dir={tmp_path / 'tiny'}",
+        "model.tiny.format_warmup_steps=30",
+        "data.tasks_per_step=2",
+        "algorithm.group_size=4",
+        "eval.split=test",
+    ]
     run = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=1200)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
-    assert "| Variant | train success | dev TGC m@1 | entropy | clip frac | grad norm (mean) | grad norm (final) |" in run.stdout
+    assert (
+        "| Variant | train success | dev TGC m@1 | entropy | clip frac | grad norm (mean) | grad norm (final) |"
+        in run.stdout
+    )
     rows = json.loads((tmp_path / "ablations.json").read_text())
     assert [r["variant"] for r in rows] == ["recipe", "no_kl"]
     assert all(r["clipfrac"] == 0.0 and r["grad_norm_mean"] > 0 and 0 <= r["score"] <= 1 for r in rows)

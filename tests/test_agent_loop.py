@@ -6,13 +6,19 @@ from canopy.rollout.agent_loop import Budget, render_prompt, run_episodes
 from canopy.rollout.engine import SamplingParams
 from tests.scripted import ScriptedEngine
 
-BUDGET = Budget(max_turns=6, max_response_tokens=256, max_prompt_tokens=128, max_observation_tokens=32,
-                max_context_tokens=1024)
+BUDGET = Budget(
+    max_turns=6, max_response_tokens=256, max_prompt_tokens=128, max_observation_tokens=32, max_context_tokens=1024
+)
 T = SamplingParams()
 
 
 def task(start, tier, vault=0):
-    return Task(f"vault{vault}_s{start}_t{tier}", tier, f"vault{vault}", {"vault": vault, "start": start, "goal_end": start + tier})
+    return Task(
+        f"vault{vault}_s{start}_t{tier}",
+        tier,
+        f"vault{vault}",
+        {"vault": vault, "start": start, "goal_end": start + tier},
+    )
 
 
 def test_masks_and_token_in_token_out(tokenizer):

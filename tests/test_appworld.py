@@ -23,8 +23,9 @@ REPO = Path(__file__).resolve().parents[1]
 PYTHON = REPO / ".venv-appworld" / "bin" / "python"
 pytestmark = pytest.mark.skipif(not PYTHON.is_file(), reason="AppWorld's venv is missing: run `make appworld`")
 SETTINGS = PoolSettings(workers=2, memory_mb=4096, request_timeout_s=120, health_timeout_s=10, start_timeout_s=120)
-BUDGET = Budget(max_turns=3, max_response_tokens=4096, max_prompt_tokens=8192, max_observation_tokens=2048,
-                max_context_tokens=32768)
+BUDGET = Budget(
+    max_turns=3, max_response_tokens=4096, max_prompt_tokens=8192, max_observation_tokens=2048, max_context_tokens=32768
+)
 
 
 def code(text):
@@ -35,7 +36,13 @@ def code(text):
 def env_kwargs(tmp_path_factory):
     root = tmp_path_factory.mktemp("appworld") / "root"
     subprocess.run([str(PYTHON), str(REPO / "scripts" / "appworld_synthetic_data.py"), str(root)], check=True)
-    return {"python": str(PYTHON), "root": str(root), "cell_timeout_s": 2, "request_timeout_s": 30, "start_timeout_s": 60}
+    return {
+        "python": str(PYTHON),
+        "root": str(root),
+        "cell_timeout_s": 2,
+        "request_timeout_s": 30,
+        "start_timeout_s": 60,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -83,17 +90,28 @@ def test_scripted_episodes_pass_fail_and_score_tgc_sgc(pool):
     """Correct answers pass AppWorld's own tests; a wrong one passes 1 of 2 (dense 0.5, sparse 0)."""
     tokenizer = build_byte_tokenizer()
     tasks = pool.tasks("train")
-    answers = {"17 plus 25?": "42", "3 plus 4?": "8", "10 plus 90?": "100", "my phone number?": "'5550100123'",
-               "my email address?": "'ada.park@example.com'", "my last name?": "'Park'"}
-    scripts = {f"Task: What is {key}": [code("print(apis.api_docs.show_app_descriptions())"),
-                                        code(f"apis.supervisor.complete_task(answer={answer})")]
-               for key, answer in answers.items()}
-    trajectories, _ = run_episodes(ScriptEngine(tokenizer, scripts), pool, tokenizer, [(t, 0) for t in tasks],
-                                   BUDGET, SamplingParams())
+    answers = {
+        "17 plus 25?": "42",
+        "3 plus 4?": "8",
+        "10 plus 90?": "100",
+        "my phone number?": "'5550100123'",
+        "my email address?": "'ada.park@example.com'",
+        "my last name?": "'Park'",
+    }
+    scripts = {
+        f"Task: What is {key}": [
+            code("print(apis.api_docs.show_app_descriptions())"),
+            code(f"apis.supervisor.complete_task(answer={answer})"),
+        ]
+        for key, answer in answers.items()
+    }
+    trajectories, _ = run_episodes(
+        ScriptEngine(tokenizer, scripts), pool, tokenizer, [(t, 0) for t in tasks], BUDGET, SamplingParams()
+    )
     prompt = tokenizer.decode(trajectories[0].token_ids[: trajectories[0].prompt_length])
     assert "I am your supervisor" in prompt and "My name is: Ada Park" in prompt and "What is 17 plus 25?" in prompt
     assert "- spotify: A music streaming app" in prompt and "show_api_doc(app_name=" in prompt
-    observation = tokenizer.decode(trajectories[0].token_ids[trajectories[0].prompt_length:])
+    observation = tokenizer.decode(trajectories[0].token_ids[trajectories[0].prompt_length :])
     assert "An app to search and explore API documentation." in observation  # the real api_docs app answered
     assert [t.ending for t in trajectories] == ["done"] * 6 and [t.num_turns for t in trajectories] == [2] * 6
     assert [t.verdict for t in trajectories] == [Verdict(2, 2), Verdict(1, 2)] + [Verdict(2, 2)] * 4
@@ -111,7 +129,7 @@ def test_infinite_loop_is_an_error_observation_and_scores_zero(pool):
     task = pool.tasks("train")[0]
     engine = ScriptEngine(tokenizer, {"Task: What is 17 plus 25?": [code("while True:\n    pass")]})
     [trajectory], _ = run_episodes(engine, pool, tokenizer, [(task, 0)], BUDGET, SamplingParams())
-    assert "Execution timed out after 2 seconds" in tokenizer.decode(trajectory.token_ids[trajectory.prompt_length:])
+    assert "Execution timed out after 2 seconds" in tokenizer.decode(trajectory.token_ids[trajectory.prompt_length :])
     assert trajectory.ending == "turn_limit" and trajectory.quarantine is None
     assert trajectory.verdict == Verdict(0, 2) and trajectory.reward("sparse") == 0.0
 
@@ -122,7 +140,9 @@ def test_code_that_outlives_the_cell_timeout_is_an_agent_failure(pool):
     episode = pool.start(pool.tasks("train")[0], seed=0)
     worker, old_server = episode.worker.pid, server_pid(episode.worker.pid)
     with pytest.raises(AgentFailure) as failure:
-        episode.step(code("while True:\n    try:\n        while True:\n            pass\n    except Exception:\n        pass"))
+        episode.step(
+            code("while True:\n    try:\n        while True:\n            pass\n    except Exception:\n        pass")
+        )
     assert failure.value.reason == "agent_timeout"
     episode.close()
     assert worker in pool.worker_pids()
@@ -161,28 +181,48 @@ def test_an_episode_whose_world_was_replaced_is_corrupted(env_kwargs):
 
 @pytest.mark.parametrize(
     "override,message",
-    [("env.appworld.python=/no/python", "run `make appworld`"), ("env.pool.workers=0", "env.pool.workers"),
-     ("env.appworld.root=/no/root", "appworld download data"), ("env.pool.request_timeout_s=100", "must exceed 180")],
+    [
+        ("env.appworld.python=/no/python", "run `make appworld`"),
+        ("env.pool.workers=0", "env.pool.workers"),
+        ("env.appworld.root=/no/root", "appworld download data"),
+        ("env.pool.request_timeout_s=100", "must exceed 180"),
+    ],
 )
 def test_appworld_config_names_the_fix(env_kwargs, tiny_path, override, message):
     from canopy.config import ConfigError, validate
     from tests.test_config import config
 
-    cfg = config("experiment=appworld_canopy", f"model.path={tiny_path}", f"env.appworld.root={env_kwargs['root']}",
-                 "env.appworld.cell_timeout_s=100", "env.appworld.request_timeout_s=60", "engine.sglang.python=/x", override)
+    cfg = config(
+        "experiment=appworld_canopy",
+        f"model.path={tiny_path}",
+        f"env.appworld.root={env_kwargs['root']}",
+        "env.appworld.cell_timeout_s=100",
+        "env.appworld.request_timeout_s=60",
+        "engine.sglang.python=/x",
+        override,
+    )
     with pytest.raises(ConfigError, match=message):
         validate(cfg)
-    validate(config("experiment=appworld_canopy", f"model.path={tiny_path}", f"env.appworld.root={env_kwargs['root']}",
-                    "engine.sglang.python=/x"))
+    validate(
+        config(
+            "experiment=appworld_canopy",
+            f"model.path={tiny_path}",
+            f"env.appworld.root={env_kwargs['root']}",
+            "engine.sglang.python=/x",
+        )
+    )
 
 
 def test_policy_code_in_the_server_has_no_network_and_writes_only_under_the_root(pool, tmp_path):
     """The AppWorld server runs the policy's code, so it runs confined (canopy.envs.sandbox.confined)."""
     outside = tmp_path / "outside.txt"
     episode = pool.start(pool.tasks("train")[0], seed=0)
-    probe = (f"try:\n    open({str(outside)!r}, 'w').write('x')\n    print('WROTE')\nexcept Exception as error:\n    print('write blocked', error)\n"
-             "import socket\ntry:\n    socket.create_connection(('1.1.1.1', 80), timeout=2)\n    print('CONNECTED')\n"
-             "except Exception as error:\n    print('network blocked', error)")
+    probe = (
+        f"try:\n    open({str(outside)!r}, 'w').write('x')\n    print('WROTE')\nexcept Exception as error:\n    "
+        "print('write blocked', error)\n"
+        "import socket\ntry:\n    socket.create_connection(('1.1.1.1', 80), timeout=2)\n    print('CONNECTED')\n"
+        "except Exception as error:\n    print('network blocked', error)"
+    )
     observation = episode.step(code(probe)).observation
     server = server_pid(episode.worker.pid)
     assert os.readlink(f"/proc/{server}/ns/net") != os.readlink("/proc/self/ns/net")  # a network namespace of its own
@@ -199,7 +239,9 @@ def test_servers_never_write_to_the_users_home(env_kwargs, monkeypatch, tmp_path
     monkeypatch.setenv("HOME", str(home))
     for variable in ("XDG_CACHE_HOME", "XDG_CONFIG_HOME", "XDG_DATA_HOME", "IPYTHONDIR", "APPWORLD_CACHE"):
         monkeypatch.delenv(variable, raising=False)
-    pool = EnvironmentPool("canopy.envs.appworld:AppWorldEnvironment", env_kwargs, SETTINGS, scratch_root=tmp_path / "scratch")
+    pool = EnvironmentPool(
+        "canopy.envs.appworld:AppWorldEnvironment", env_kwargs, SETTINGS, scratch_root=tmp_path / "scratch"
+    )
     try:
         episode = pool.start(pool.tasks("train")[0], seed=0)
         observation = episode.step(code("import os\nprint('home is', os.path.expanduser('~'))")).observation
@@ -223,21 +265,43 @@ def broken_root(env_kwargs, tmp_path) -> Path:
     return root
 
 
-@pytest.mark.parametrize("entry, extra", [("train.py", []), ("evaluate.py", ["split=dev", "k=2"]),
-                                          ("train.py", ["trainer.devices=2", "parallelism.dp_shard=2"])])
+@pytest.mark.parametrize(
+    "entry, extra",
+    [
+        ("train.py", []),
+        ("evaluate.py", ["split=dev", "k=2"]),
+        ("train.py", ["trainer.devices=2", "parallelism.dp_shard=2"]),
+    ],
+)
 def test_a_broken_setup_stops_training_and_evaluation_with_one_line(env_kwargs, tmp_path, entry, extra):
     """Also on 2 processes: the rank that generates says why, and every rank stops (none dies on a broken pipe)."""
     root, run_dir = broken_root(env_kwargs, tmp_path), tmp_path / "run"
-    command = [sys.executable, entry, f"hydra.run.dir={run_dir}", f"model.tiny.dir={tmp_path / 'tiny'}",
-               "model.tiny.format_warmup_steps=30", "env.name=appworld", "env.pool.workers=2",
-               "env.pool.request_timeout_s=300", f"env.appworld.root={root}", "env.appworld.start_timeout_s=60",
-               "data.tasks_per_step=2", "algorithm.group_size=2", "trainer.max_steps=1", "callbacks=none",
-               "report.eval_samples_per_task=0", *extra]
+    command = [
+        sys.executable,
+        entry,
+        f"hydra.run.dir={run_dir}",
+        f"model.tiny.dir={tmp_path / 'tiny'}",
+        "model.tiny.format_warmup_steps=30",
+        "env.name=appworld",
+        "env.pool.workers=2",
+        "env.pool.request_timeout_s=300",
+        f"env.appworld.root={root}",
+        "env.appworld.start_timeout_s=60",
+        "data.tasks_per_step=2",
+        "algorithm.group_size=2",
+        "trainer.max_steps=1",
+        "callbacks=none",
+        "report.eval_samples_per_task=0",
+        *extra,
+    ]
     run = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert run.returncode == 1
     last = run.stderr.strip().splitlines()[-1].split("\r")[-1].strip()
     what = "rollout step 0" if entry == "train.py" else "eval base"
-    assert last.startswith("environment error: the environment's serving layer is failing, not the agent: ") and what in last
+    assert (
+        last.startswith("environment error: the environment's serving layer is failing, not the agent: ")
+        and what in last
+    )
     assert "appworld_request_failed" in last and "/initialize answered 500: NotADirectoryError" in last
     log = Path(re.search(r"\(server log: (\S+)\)", last).group(1))
     assert log.parent == run_dir / "env_logs" and "NotADirectoryError" in log.read_text()

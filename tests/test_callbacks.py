@@ -1,8 +1,6 @@
 """Callbacks on hand-built steps: audit, entropy monitor, quarantine stats, coverage numbers, budget transfer."""
 
 import math
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -10,8 +8,14 @@ import pytest
 from omegaconf import OmegaConf
 from transformers import AutoTokenizer
 
-from canopy.callbacks import (BudgetTransferEval, CoverageLogger, EntropyMonitor, OnPolicyAudit, QuarantineStats,
-                              build_callbacks)
+from canopy.callbacks import (
+    BudgetTransferEval,
+    CoverageLogger,
+    EntropyMonitor,
+    OnPolicyAudit,
+    QuarantineStats,
+    build_callbacks,
+)
 from canopy.callbacks.audit import OffPolicyError
 from canopy.coverage import signal_coverage
 from canopy.datamodules.rollout import rollout_metrics, score_groups
@@ -21,6 +25,7 @@ from canopy.rollout.engine import LocalEngine
 from canopy.tb import read_scalars
 from tests.test_config import config
 from tests.test_datamodule import trajectory
+from tests.test_train import train
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -63,10 +68,17 @@ def test_entropy_monitor_warns_on_collapse_and_fast_fall():
 
 def test_quarantine_stats_totals_and_warning():
     stats = QuarantineStats(warn_rate=0.1)
-    trainer, module, batch = step(batch_metrics={"rollout/episodes": 20, "rollout/quarantined": 1, "quarantine/worker_dead": 1})
+    trainer, module, batch = step(
+        batch_metrics={"rollout/episodes": 20, "rollout/quarantined": 1, "quarantine/worker_dead": 1}
+    )
     stats.on_train_batch_end(trainer, module, None, batch, 0)
     assert module.logged == {"quarantine/rate": 0.05, "quarantine_total/worker_dead": 1.0, "quarantine_total/all": 1.0}
-    batch.metrics = {"rollout/episodes": 20, "rollout/quarantined": 4, "quarantine/worker_dead": 1, "quarantine/infra": 3}
+    batch.metrics = {
+        "rollout/episodes": 20,
+        "rollout/quarantined": 4,
+        "quarantine/worker_dead": 1,
+        "quarantine/infra": 3,
+    }
     with pytest.warns(RuntimeWarning, match=r"20.0% of episodes quarantined \(worker_dead=1, infra=3\)"):
         stats.on_train_batch_end(trainer, module, None, batch, 1)
     assert stats.totals == {"worker_dead": 2, "infra": 3, "all": 5}
@@ -110,11 +122,18 @@ def test_budget_transfer_evaluates_both_budgets(tiny_path, tmp_path):
     tokenizer = AutoTokenizer.from_pretrained(tiny_path)
     weights = LocalEngine(tiny_path, stop_token_ids=[0], pad_token_id=0).model.state_dict()
     logger = SimpleNamespace(logged={}, log_metrics=lambda metrics, step: logger.logged.update(metrics))
-    trainer = SimpleNamespace(global_step=7, is_global_zero=True, logger=logger, default_root_dir=str(tmp_path),
-                              datamodule=SimpleNamespace(env=EmbeddedEnvironment(), tokenizer=tokenizer,
-                                                         max_quarantine_fraction=0.5))
-    module = SimpleNamespace(hparams=SimpleNamespace(model_path=str(tiny_path)), weight_version=7,
-                             iter_hf_weights=lambda: iter(weights.items()))
+    trainer = SimpleNamespace(
+        global_step=7,
+        is_global_zero=True,
+        logger=logger,
+        default_root_dir=str(tmp_path),
+        datamodule=SimpleNamespace(env=EmbeddedEnvironment(), tokenizer=tokenizer, max_quarantine_fraction=0.5),
+    )
+    module = SimpleNamespace(
+        hparams=SimpleNamespace(model_path=str(tiny_path)),
+        weight_version=7,
+        iter_hf_weights=lambda: iter(weights.items()),
+    )
     callback.on_train_end(trainer, module)
     assert {"eval/training_budget/tgc_all", "eval/enlarged_budget/tgc_tier3"} <= set(logger.logged)
     assert all(0.0 <= v <= 1.0 for v in logger.logged.values())
@@ -125,17 +144,25 @@ def test_budget_transfer_evaluates_both_budgets(tiny_path, tmp_path):
 
 @pytest.mark.slow
 def test_training_run_logs_and_plots_the_callbacks(tmp_path):
-    run_dir = tmp_path / "run"
-    command = [sys.executable, "train.py", f"hydra.run.dir={run_dir}", f"model.tiny.dir={tmp_path / 'tiny'}",
-               "model.tiny.format_warmup_steps=30", "trainer.max_steps=2", "data.tasks_per_step=2",
-               "algorithm.group_size=4", "report.eval_samples_per_task=0", "eval.every_n_steps=1"]
-    run = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900)
-    assert run.returncode == 0, run.stderr[-3000:]
+    run_dir, _ = train(tmp_path, 2, "data.tasks_per_step=2", "report.eval_samples_per_task=0", "eval.every_n_steps=1")
     scalars = read_scalars(run_dir / "tensorboard")
-    for tag in ("coverage/psig", "coverage/psig_tier1", "coverage/all_fail_tier1", "quarantine/rate",
-                "quarantine_total/all", "eval/training_budget/tgc_all", "eval/enlarged_budget/tgc_tier3"):
+    for tag in (
+        "coverage/psig",
+        "coverage/psig_tier1",
+        "coverage/all_fail_tier1",
+        "quarantine/rate",
+        "quarantine_total/all",
+        "eval/training_budget/tgc_all",
+        "eval/enlarged_budget/tgc_tier3",
+    ):
         assert tag in scalars, tag
     assert len(scalars["eval/training_budget/tgc_all"]) == 2  # after steps 1 and 2; the end reuses step 2
-    for name in ("fig2_coverage", "fig3_group_composition", "fig4_entropy_score", "fig5_budget_transfer", "learning_curve"):
+    for name in (
+        "fig2_coverage",
+        "fig3_group_composition",
+        "fig4_entropy_score",
+        "fig5_budget_transfer",
+        "learning_curve",
+    ):
         assert (run_dir / f"{name}.png").stat().st_size > 10_000, name
     assert math.isfinite(scalars["coverage/psig"][0][1])

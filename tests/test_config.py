@@ -31,7 +31,12 @@ def test_appworld_experiment_holds_table_a1():
     assert (a.reward, a.loss_aggregation, a.minibatches_per_step) == ("sparse", "token-mean", 1)
     assert (cfg.data.tasks_per_step, cfg.optim.lr, cfg.trainer.max_steps) == (90, 3e-6, 90)
     b = cfg.budget
-    assert (b.max_turns, b.max_response_tokens, b.max_prompt_tokens, b.max_observation_tokens) == (50, 32768, 4096, 4096)
+    assert (b.max_turns, b.max_response_tokens, b.max_prompt_tokens, b.max_observation_tokens) == (
+        50,
+        32768,
+        4096,
+        4096,
+    )
     assert b.per_turn_generation_cap is None and cfg.sampling.temperature == 0.9
 
 
@@ -62,8 +67,9 @@ def test_enlarged_budget_matches_appendix_i():
     ],
 )
 def test_each_ablation_changes_one_thing(ablation, key, value):
-    base, ablated = config("experiment=appworld_canopy", "model.path=/m"), config(
-        "experiment=appworld_canopy", "model.path=/m", f"ablation={ablation}"
+    base, ablated = (
+        config("experiment=appworld_canopy", "model.path=/m"),
+        config("experiment=appworld_canopy", "model.path=/m", f"ablation={ablation}"),
     )
     section, name = key.split(".")
     assert ablated[section][name] == value
@@ -122,11 +128,16 @@ def test_pool_setting_wraps_the_environment():
     assert build_env(config()).name == "embedded"  # in-process by default
 
 
-def test_cli_prints_one_line_and_fails():
-    run = subprocess.run(
-        [sys.executable, "train.py", "algorithm.group_size=1"],
-        cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=300,
+def train_cli(*overrides: str) -> subprocess.CompletedProcess:
+    """`python train.py OVERRIDES` from the repository root."""
+    root = Path(__file__).resolve().parents[1]
+    return subprocess.run(
+        [sys.executable, "train.py", *overrides], cwd=root, capture_output=True, text=True, timeout=300
     )
+
+
+def test_cli_prints_one_line_and_fails():
+    run = train_cli("algorithm.group_size=1")
     assert run.returncode != 0
     assert run.stderr.strip().splitlines() == [
         "config error: algorithm.group_size=1: group-relative advantages need >= 2 rollouts per task; "
@@ -138,13 +149,13 @@ def test_a_mistyped_model_path_is_one_line_and_builds_nothing(tmp_path):
     """The embedded experiment builds its tiny model only at model.tiny.dir, never at a user's model.path."""
     typo, empty = tmp_path / "models" / "typo", tmp_path / "empty"
     empty.mkdir()
+    hint = ", or leave model.path unset for the embedded tiny model"
     for path, error in ((typo, "does not exist"), (empty, "has no config.json")):
-        run = subprocess.run([sys.executable, "train.py", f"model.path={path}"], cwd=Path(__file__).resolve().parents[1],
-                             capture_output=True, text=True, timeout=300)
+        run = train_cli(f"model.path={path}")
         assert run.returncode != 0
         assert run.stderr.strip().splitlines() == [
             f"config error: model.path '{path}' {error}: point it at an HF checkpoint directory (config.json + "
-            f"*.safetensors + tokenizer){', or leave model.path unset for the embedded tiny model' if path == typo else ''}"
+            f"*.safetensors + tokenizer){hint if path == typo else ''}"
         ]
     assert not typo.exists() and list(empty.iterdir()) == []
 

@@ -9,8 +9,6 @@ itself is left to `scripts/gpu_check_parallel.py` on GPUs.
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 from unittest import mock
 
@@ -26,7 +24,7 @@ from canopy.modules.canopy_module import CanopyModule, sequence_inputs
 from canopy.modules.parallel import ParallelSettings, all_reduce_sum, build_parallel_policy, data_parallel_rank
 from canopy.modules.policy import load_policy, unwrap
 from canopy.objective import canopy_loss
-from tests.test_parallel import free_port
+from tests.parallel_worker import run_ranks, spawn_from_argv
 
 ROOT = Path(__file__).resolve().parents[1]
 HPARAMS = dict(kl_coef=0.1, entropy_coef=0.01, temperature=0.7, micro_batch_tokens=45)
@@ -82,15 +80,18 @@ def test_aligned_targets_match_the_shifted_formulation(tiny_path):
 
     def shifted(model):  # the previous formulation, whole batch
         log_probs = torch.log_softmax(model(batch.input_ids)[:, :-1].float() / t, dim=-1)
-        return log_probs.gather(-1, batch.input_ids[:, 1:].unsqueeze(-1)).squeeze(-1), -(log_probs.exp() * log_probs).sum(-1)
+        return log_probs.gather(-1, batch.input_ids[:, 1:].unsqueeze(-1)).squeeze(-1), -(
+            log_probs.exp() * log_probs
+        ).sum(-1)
 
     previous = module_with(load_policy(tiny_path)[0], load_policy(tiny_path)[0], None)
     with torch.no_grad():
         ref = shifted(previous.reference)[0]
     logprobs, entropy = shifted(previous.policy)
     mask = batch.action_mask[:, 1:]
-    loss, metrics = canopy_loss(logprobs, logprobs.detach(), ref, batch.advantages, mask, kl_coef=0.1,
-                                num_action_tokens=n_tokens)
+    loss, metrics = canopy_loss(
+        logprobs, logprobs.detach(), ref, batch.advantages, mask, kl_coef=0.1, num_action_tokens=n_tokens
+    )
     entropy = (entropy * mask).sum() / n_tokens
     (loss - 0.01 * entropy).backward()
     expected = {"loss": loss - 0.01 * entropy, "entropy": entropy, **metrics}
@@ -120,8 +121,13 @@ def test_sequence_inputs_shard_whole_loss_terms_head_tail():
         local = sequence_inputs(batch, mesh, ref_logprobs=torch.ones(6, 21))
     assert captured == {"balancer": "headtail", "widths": {24}}  # 21 padded to 24 = 2 x cp x 6
     positions = local["positions"][0]
-    assert torch.equal(local["targets"], torch.cat([batch.input_ids[:, 1:], torch.zeros(6, 4, dtype=torch.long)], 1)[:, positions])
-    assert torch.equal(local["action_mask"], torch.cat([batch.action_mask[:, 1:], torch.zeros(6, 4, dtype=torch.bool)], 1)[:, positions])
+    assert torch.equal(
+        local["targets"], torch.cat([batch.input_ids[:, 1:], torch.zeros(6, 4, dtype=torch.long)], 1)[:, positions]
+    )
+    assert torch.equal(
+        local["action_mask"],
+        torch.cat([batch.action_mask[:, 1:], torch.zeros(6, 4, dtype=torch.bool)], 1)[:, positions],
+    )
     assert torch.equal(local["ref_logprobs"][:, -3:], torch.zeros(6, 3))  # padding is masked out and zero
 
 
@@ -142,12 +148,7 @@ def test_cp_refusals_name_the_fix():
 @pytest.mark.parametrize("dp,cp", [(1, 2), (2, 2)], ids=["cp2", "fsdp2xcp2"])
 def test_sequence_sharded_step_matches_single_process(tiny_path, tmp_path, dp, cp):
     world = dp * cp
-    run = subprocess.run(
-        [sys.executable, "-m", "tests.test_context_parallel", str(world), str(free_port()), str(tiny_path), str(dp),
-         str(cp), str(tmp_path)],
-        cwd=ROOT, capture_output=True, text=True, timeout=600,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
+    run_ranks("tests.test_context_parallel", world, tiny_path, dp, cp, tmp_path)
     results = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(world)]
     for rank, result in enumerate(results):
         # CP ranks of one data-parallel shard take the same rows; the shards split the batch
@@ -183,12 +184,19 @@ def main(rank: int, world: int, port: int, path: str, dp: int, cp: int, out: str
     predicted = torch.arange(ref.shape[1]) < full.lengths[rows, None] - 1  # the positions that predict a token
     ref_diff = ((ref - single_ref[rows, : ref.shape[1]]).abs() * predicted).max().item()
     with open(f"{out}/rank{rank}.json", "w") as f:
-        json.dump({"rows": rows.tolist(), "grad_diff": grad_diff, "ref_diff": ref_diff,
-                   "metrics": all_reduce_sum(partials, dims), "single_metrics": single_partials,
-                   "local_kl": partials["kl"]}, f)
+        json.dump(
+            {
+                "rows": rows.tolist(),
+                "grad_diff": grad_diff,
+                "ref_diff": ref_diff,
+                "metrics": all_reduce_sum(partials, dims),
+                "single_metrics": single_partials,
+                "local_kl": partials["kl"],
+            },
+            f,
+        )
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    world, port, path, dp, cp, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), sys.argv[6]
-    torch.multiprocessing.spawn(main, args=(world, port, path, dp, cp, out), nprocs=world)
+    spawn_from_argv(main)

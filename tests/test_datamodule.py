@@ -10,8 +10,9 @@ from canopy.rollout.agent_loop import Budget, Trajectory
 from canopy.rollout.engine import SamplingParams
 from tests.scripted import ScriptedEngine
 
-BUDGET = Budget(max_turns=4, max_response_tokens=64, max_prompt_tokens=128, max_observation_tokens=32,
-                max_context_tokens=512)
+BUDGET = Budget(
+    max_turns=4, max_response_tokens=64, max_prompt_tokens=128, max_observation_tokens=32, max_context_tokens=512
+)
 
 
 def trajectory(task, i, success=None, quarantine=None, length=5):
@@ -31,8 +32,14 @@ def datamodule(tokenizer, engine, **kwargs):
 def test_score_groups_quarantines_before_advantages():
     a, b = Task("a", 1, "s"), Task("b", 3, "s")
     trajectories = [
-        trajectory(a, 0, True), trajectory(a, 1, False), trajectory(a, 2, quarantine="worker_dead"), trajectory(a, 3, False),
-        trajectory(b, 0, False), trajectory(b, 1, False), trajectory(b, 2, False), trajectory(b, 3, False),
+        trajectory(a, 0, True),
+        trajectory(a, 1, False),
+        trajectory(a, 2, quarantine="worker_dead"),
+        trajectory(a, 3, False),
+        trajectory(b, 0, False),
+        trajectory(b, 1, False),
+        trajectory(b, 2, False),
+        trajectory(b, 3, False),
     ]
     survivors, advantages, stats = score_groups(trajectories, 4, "sparse")
     assert len(survivors) == 7 and all(t.quarantine is None for t in survivors)

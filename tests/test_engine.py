@@ -12,7 +12,10 @@ def engine_for(tiny_path, tokenizer, seed=0):
 
 def test_generation_respects_limits_stops_and_reports_logprobs(tiny_path, tokenizer):
     engine = engine_for(tiny_path, tokenizer)
-    prompts = [tokenizer.encode("task : vault 1", add_special_tokens=False), tokenizer.encode("goal", add_special_tokens=False)]
+    prompts = [
+        tokenizer.encode("task : vault 1", add_special_tokens=False),
+        tokenizer.encode("goal", add_special_tokens=False),
+    ]
     out = engine.generate(prompts, [5, 40], SamplingParams(temperature=0.9))
     assert len(out[0].token_ids) <= 5 and len(out[1].token_ids) <= 40
     for generation, limit in zip(out, [5, 40]):

@@ -44,7 +44,10 @@ def test_summarize_per_tier():
     assert summary["tier2"]["tgc_mean"] == 0.25 and summary["tier2"]["tgc_best"] == 1.0
     assert summary["all"]["sgc_mean"] == 0.5 and summary["all"]["sgc_best"] == 1.0
     table = format_table3([{"policy": "p", "budget": "b", "split": "dev", "k": 4, "metrics": summary}])
-    assert "| TGC m@4 | TGC b@4 | SGC m@4 | SGC b@4 |" in table and "| p | b | dev | all (3) | 66.7 | 100.0 | 50.0 | 100.0 |" in table
+    assert (
+        "| TGC m@4 | TGC b@4 | SGC m@4 | SGC b@4 |" in table
+        and "| p | b | dev | all (3) | 66.7 | 100.0 | 50.0 | 100.0 |" in table
+    )
 
 
 def test_pilot_report_follows_eq_4_and_5():
@@ -78,7 +81,10 @@ def test_local_engine_applies_yarn_only_when_set(tiny_path):
     assert plain.model.config.rope_parameters["rope_type"] == "default"  # null rope_scaling is a no-op
     yarn = {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 1024}
     scaled = LocalEngine(tiny_path, stop_token_ids=[0], pad_token_id=0, rope_scaling=yarn)
-    assert scaled.model.config.rope_parameters["rope_type"] == "yarn" and scaled.model.config.rope_parameters["factor"] == 2.0
+    assert (
+        scaled.model.config.rope_parameters["rope_type"] == "yarn"
+        and scaled.model.config.rope_parameters["factor"] == 2.0
+    )
     x = torch.arange(12).unsqueeze(0)
     assert not torch.allclose(plain.model(x).logits, scaled.model(x).logits)
 
@@ -93,13 +99,25 @@ def test_evaluate_end_to_end(tiny_path, tmp_path):
     first = evaluate(tiny_path, tmp_path / "training", f"checkpoint={tiny_path}", "k=1", "split=test", "policy=tiny")
     assert first.returncode == 0, first.stderr[-2000:]
     result = json.loads((tmp_path / "training" / "eval.json").read_text())[0]
-    assert (result["policy"], result["split"], result["k"], result["budget"]) == ("tiny", "test", 1, "embedded (5t/256)")
+    assert (result["policy"], result["split"], result["k"], result["budget"]) == (
+        "tiny",
+        "test",
+        1,
+        "embedded (5t/256)",
+    )
     assert set(result["metrics"]) == {"all", "tier1", "tier2", "tier3"} and result["metrics"]["all"]["tasks"] == 18
     assert "| Policy | Budget |" in (tmp_path / "training" / "eval.md").read_text()
     # the untrained tiny model rambles: cap the enlarged budget's tokens to keep the test short
-    second = evaluate(tiny_path, tmp_path / "enlarged", "budget=embedded_enlarged", "budget.max_turns=6",
-                      "budget.max_response_tokens=48", "k=1", "split=test",
-                      f"transfer_from={tmp_path / 'training' / 'eval.json'}")
+    second = evaluate(
+        tiny_path,
+        tmp_path / "enlarged",
+        "budget=embedded_enlarged",
+        "budget.max_turns=6",
+        "budget.max_response_tokens=48",
+        "k=1",
+        "split=test",
+        f"transfer_from={tmp_path / 'training' / 'eval.json'}",
+    )
     assert second.returncode == 0, second.stderr[-2000:]
     assert "embedded_enlarged (6t/48)" in second.stdout and "| base |" in second.stdout
     assert (tmp_path / "enlarged" / "fig5_budget_transfer.png").stat().st_size > 10_000
@@ -116,7 +134,10 @@ def test_evaluate_missing_checkpoint_is_one_line(tiny_path, tmp_path):
 def test_pilot_prints_group_size(tiny_path, tmp_path):
     run = evaluate(tiny_path, tmp_path, "pilot=true", "pilot_samples=1", "tau=0.9", "budget.max_response_tokens=48")
     assert run.returncode == 0, run.stderr[-2000:]
-    assert "| tier | p | episodes | n (Eq. 5) | P_sig n=4 | P_sig n=8 | P_sig n=16 | P_sig n=32 | P_sig n=64 |" in run.stdout
+    assert (
+        "| tier | p | episodes | n (Eq. 5) | P_sig n=4 | P_sig n=8 | P_sig n=16 | P_sig n=32 | P_sig n=64 |"
+        in run.stdout
+    )
     report = json.loads((tmp_path / "pilot.json").read_text())
     assert set(report["tiers"]) == {"tier1", "tier2", "tier3"} and report["tiers"]["tier1"]["episodes"] == 24
     assert "for coverage tau=0.9: group size n >=" in run.stdout

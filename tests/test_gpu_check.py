@@ -12,8 +12,13 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.mark.slow
 def test_gpu_check_cpu_dry_run_passes():
-    run = subprocess.run([sys.executable, "scripts/gpu_check_parallel.py", "--cpu-dry-run", "--steps", "3"], cwd=ROOT,
-                         capture_output=True, text=True, timeout=900)
+    run = subprocess.run(
+        [sys.executable, "scripts/gpu_check_parallel.py", "--cpu-dry-run", "--steps", "3"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     lines = run.stdout.strip().splitlines()
     assert lines[-1] == "gpu_check_parallel: PASS"

@@ -12,8 +12,9 @@ from canopy.modules.policy import export_hf_state_dict, load_policy
 from canopy.rollout.agent_loop import Budget
 from canopy.rollout.engine import LocalEngine, SamplingParams
 
-BUDGET = Budget(max_turns=3, max_response_tokens=48, max_prompt_tokens=128, max_observation_tokens=32,
-                max_context_tokens=512)
+BUDGET = Budget(
+    max_turns=3, max_response_tokens=48, max_prompt_tokens=128, max_observation_tokens=32, max_context_tokens=512
+)
 
 
 class RecordSteps(Callback):
@@ -29,15 +30,32 @@ class RecordSteps(Callback):
 def make(tiny_path, tokenizer, seed=0, **module_args):
     stop = [tokenizer.convert_tokens_to_ids("<|im_end|>")]
     engine = LocalEngine(tiny_path, stop, tokenizer.pad_token_id, seed=seed)
-    dm = RolloutDataModule(EmbeddedEnvironment(), engine, tokenizer, split="train", tasks_per_step=3, group_size=4,
-                           budget=BUDGET, sampling=SamplingParams(temperature=1.0), seed=seed)
+    dm = RolloutDataModule(
+        EmbeddedEnvironment(),
+        engine,
+        tokenizer,
+        split="train",
+        tasks_per_step=3,
+        group_size=4,
+        budget=BUDGET,
+        sampling=SamplingParams(temperature=1.0),
+        seed=seed,
+    )
     module = CanopyModule(str(tiny_path), lr=1e-3, temperature=1.0, seed=seed, **module_args)
     return dm, module
 
 
 def fit(dm, module, steps, callbacks=()):
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, callbacks=list(callbacks))
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=list(callbacks),
+    )
     trainer.fit(module, datamodule=dm)
     return trainer
 

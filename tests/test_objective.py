@@ -75,7 +75,7 @@ def test_k3_is_nonnegative_and_zero_at_equality():
     kl = k3_kl(lp, ref)
     assert (kl >= 0).all()
     assert kl[1].item() == 0.0
-    r = (0.3 / 0.1)
+    r = 0.3 / 0.1
     assert kl[0].item() == pytest.approx(r - math.log(r) - 1, rel=1e-5)
 
 
@@ -157,8 +157,15 @@ def test_micro_batch_accumulation_equals_full_batch(aggregation):
     total = 0.0
     for rows in (slice(0, 2), slice(2, 5), slice(5, 6)):
         part, _ = canopy_loss(
-            lp[rows], lp[rows].detach(), ref[rows], adv[rows], mask[rows],
-            aggregation=aggregation, kl_coef=0.1, num_action_tokens=n_tokens, num_sequences=n_seq,
+            lp[rows],
+            lp[rows].detach(),
+            ref[rows],
+            adv[rows],
+            mask[rows],
+            aggregation=aggregation,
+            kl_coef=0.1,
+            num_action_tokens=n_tokens,
+            num_sequences=n_seq,
         )
         total = total + part
     (acc_grad,) = torch.autograd.grad(total, lp)
@@ -168,5 +175,6 @@ def test_micro_batch_accumulation_equals_full_batch(aggregation):
 
 def test_unknown_aggregation_is_rejected():
     with pytest.raises(ValueError, match="token-mean"):
-        canopy_loss(torch.zeros(1, 2), torch.zeros(1, 2), torch.zeros(1, 2), torch.zeros(1), torch.ones(1, 2),
-                    aggregation="sum")
+        canopy_loss(
+            torch.zeros(1, 2), torch.zeros(1, 2), torch.zeros(1, 2), torch.zeros(1), torch.ones(1, 2), aggregation="sum"
+        )

@@ -2,36 +2,25 @@
 (gradients relative to each tensor's largest entry); TP ranks compute the loss from vocabulary shards."""
 
 import json
-import socket
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+from canopy.tb import read_scalars
+from tests.parallel_worker import run_ranks
 from tests.test_datamodule import datamodule
+from tests.test_train import train
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("dp,tp", [(2, 1), (1, 2), (2, 2)], ids=["fsdp2", "tp2", "fsdp2xtp2"])
 def test_sharded_policy_matches_single_process(tiny_path_even_vocab, tmp_path, dp, tp):
     world = dp * tp
-    run = subprocess.run(
-        [sys.executable, "-m", "tests.parallel_worker", str(world), str(free_port()), str(tiny_path_even_vocab), str(dp), str(tp),
-         str(tmp_path)],
-        cwd=ROOT, capture_output=True, text=True, timeout=600,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
+    run_ranks("tests.parallel_worker", world, tiny_path_even_vocab, dp, tp, tmp_path)
     for rank in range(world):
         result = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert result["weight_diff"] == 0.0  # sharded loading is exact
@@ -42,29 +31,15 @@ def test_sharded_policy_matches_single_process(tiny_path_even_vocab, tmp_path, d
         assert result["full_tensor_calls"] == 0
 
 
-def train(tmp_path, name, model_path, *overrides):
-    run_dir = tmp_path / name
-    command = [
-        sys.executable, "train.py", f"hydra.run.dir={run_dir}", f"model.tiny.dir={model_path}",
-        "model.tiny.format_warmup_steps=30", "trainer.max_steps=2", "data.tasks_per_step=4",
-        "algorithm.group_size=4", "report.eval_samples_per_task=0", *overrides,
-    ]
-    run = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900)
-    assert run.returncode == 0, run.stderr[-3000:]
-    from canopy.tb import read_scalars
-
-    return read_scalars(run_dir / "tensorboard"), run_dir
-
-
 @pytest.mark.slow
 def test_train_py_on_two_processes_matches_one(tmp_path):
     """`python train.py trainer.devices=2 parallelism.dp_shard=2` (FSDP) and `parallelism.tp=2` run the embedded
     default on CPU and reproduce the single-process run step for step: same batches (rank 0 generates and
     broadcasts), same losses and gradient norms."""
-    model = tmp_path / "tiny"
-    single, _ = train(tmp_path, "single", model)
+    single = read_scalars(train(tmp_path, 2, "report.eval_samples_per_task=0", name="single")[0] / "tensorboard")
     for name, overrides in {"fsdp": ["parallelism.dp_shard=2"], "tp": ["parallelism.tp=2"]}.items():
-        sharded, run_dir = train(tmp_path, name, model, "trainer.devices=2", *overrides)
+        run_dir, _ = train(tmp_path, 2, "report.eval_samples_per_task=0", "trainer.devices=2", *overrides, name=name)
+        sharded = read_scalars(run_dir / "tensorboard")
         for tag in ("actor/loss", "actor/kl", "actor/entropy", "actor/grad_norm", "reward/success"):
             for (_, a), (_, b) in zip(single[tag], sharded[tag], strict=True):
                 assert abs(a - b) <= 1e-5 * max(1.0, abs(a)), (name, tag, a, b)

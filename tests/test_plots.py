@@ -4,21 +4,41 @@ import matplotlib.pyplot as plt
 import pytest
 from torch.utils.tensorboard import SummaryWriter
 
-from canopy.plots import (DPI, plot_ablations, plot_budget_transfer, plot_coverage, plot_drift, plot_group_composition,
-                          training_plots)
+from canopy.plots import (
+    DPI,
+    plot_ablations,
+    plot_budget_transfer,
+    plot_coverage,
+    plot_drift,
+    plot_group_composition,
+    training_plots,
+)
 
 SERIES = {
     "reward/success": [(s, 0.3 + 0.06 * s) for s in range(10)],
     "actor/entropy": [(s, 1.0 - 0.05 * s) for s in range(10)],
     "actor/kl": [(s, 0.01 * s) for s in range(10)],
     "eval/training_budget/tgc_all": [(5, 0.5), (10, 0.8)],
-    **{f"coverage/{kind}": [(s, v) for s in range(10)] for kind, v in (("all_fail", 0.2), ("mixed", 0.5), ("all_success", 0.3))},
+    **{
+        f"coverage/{kind}": [(s, v) for s in range(10)]
+        for kind, v in (("all_fail", 0.2), ("mixed", 0.5), ("all_success", 0.3))
+    },
     **{f"success/tier{t}": [(s, 0.1 * t) for s in range(10)] for t in (1, 2, 3)},
     **{f"coverage/mixed_tier{t}": [(s, 0.5) for s in range(10)] for t in (1, 2, 3)},
     **{f"coverage/psig_tier{t}": [(s, 0.6) for s in range(10)] for t in (1, 2, 3)},
 }
-RESULT = {"policy": "final", "budget": "embedded (5t/256)", "split": "dev", "k": 4,
-          "metrics": {"all": {"tgc_mean": 0.6}, "tier1": {"tgc_mean": 0.9}, "tier2": {"tgc_mean": 0.6}, "tier3": {"tgc_mean": 0.2}}}
+RESULT = {
+    "policy": "final",
+    "budget": "embedded (5t/256)",
+    "split": "dev",
+    "k": 4,
+    "metrics": {
+        "all": {"tgc_mean": 0.6},
+        "tier1": {"tgc_mean": 0.9},
+        "tier2": {"tgc_mean": 0.6},
+        "tier3": {"tgc_mean": 0.2},
+    },
+}
 
 
 def assert_png(path, width_in, height_in):
@@ -45,8 +65,12 @@ def test_training_plots_from_tensorboard(tmp_path):
             writer.add_scalar(tag, value, step)
     writer.close()
     paths = training_plots(tmp_path / "tb", tmp_path, group_size=16)
-    assert [p.name for p in paths] == ["learning_curve.png", "fig2_coverage.png", "fig3_group_composition.png",
-                                       "fig4_entropy_score.png"]
+    assert [p.name for p in paths] == [
+        "learning_curve.png",
+        "fig2_coverage.png",
+        "fig3_group_composition.png",
+        "fig4_entropy_score.png",
+    ]
     assert_png(paths[0], 15, 3.6)
     for path in paths[1:]:
         assert_png(path, 10, 3.8)

@@ -1,7 +1,6 @@
+import pytest
 import torch
 from transformers import AutoTokenizer, Qwen3ForCausalLM
-
-import pytest
 
 from canopy.config import ConfigError
 from canopy.modules.policy import export_hf_state_dict, load_policy, read_hf_config, save_hf_checkpoint

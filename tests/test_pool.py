@@ -120,12 +120,15 @@ class TurnScriptedEngine(ScriptedEngine):
 
 def test_embedded_env_behind_the_pool_matches_in_process(tokenizer):
     """Same tasks, same scripted actions: the pool changes where episodes run, not what happens in them."""
-    budget = Budget(max_turns=4, max_response_tokens=64, max_prompt_tokens=128, max_observation_tokens=32,
-                    max_context_tokens=1024)
+    budget = Budget(
+        max_turns=4, max_response_tokens=64, max_prompt_tokens=128, max_observation_tokens=32, max_context_tokens=1024
+    )
     env = EmbeddedEnvironment()
     jobs = [(task, 0) for task in env.tasks("train")[:6]]
     local, _ = run_episodes(TurnScriptedEngine(tokenizer), env, tokenizer, jobs, budget, SamplingParams())
-    pool = EnvironmentPool("canopy.envs.embedded:EmbeddedEnvironment", {}, PoolSettings(workers=4, request_timeout_s=30))
+    pool = EnvironmentPool(
+        "canopy.envs.embedded:EmbeddedEnvironment", {}, PoolSettings(workers=4, request_timeout_s=30)
+    )
     try:
         pooled, _ = run_episodes(TurnScriptedEngine(tokenizer), pool, tokenizer, jobs, budget, SamplingParams())
     finally:
@@ -135,8 +138,8 @@ def test_embedded_env_behind_the_pool_matches_in_process(tokenizer):
 
 @pytest.mark.slow
 def test_fault_soak_misclassifies_and_loses_nothing():
-    from canopy.soak import AGENT_FAULTS, soak, soak_line
     from canopy.envs.fault_injection import INFRA_FAULTS
+    from canopy.soak import AGENT_FAULTS, soak, soak_line
 
     counts, rows = soak(episodes=150, workers=6, fault_rate=0.7, seed=1)
     print(soak_line(counts))

@@ -10,7 +10,9 @@ import pytest
 from canopy.envs.base import EnvironmentFault
 from canopy.envs.sandbox import SandboxLimits, prepare_scratch, run_sandboxed, sandbox_uid
 
-LIMITS = SandboxLimits(cpu_seconds=1, wall_seconds=3.0, memory_mb=256, max_processes=8, max_file_mb=1, max_output_chars=500)
+LIMITS = SandboxLimits(
+    cpu_seconds=1, wall_seconds=3.0, memory_mb=256, max_processes=8, max_file_mb=1, max_output_chars=500
+)
 
 
 @pytest.fixture
@@ -75,7 +77,10 @@ for name, attempt in [('write', lambda: open({str(target)!r}, 'w').write('x')),
 
 
 def test_fork_bomb_leaves_no_process_behind(scratch):
-    code = "import os, time\nfor _ in range(4):\n    if os.fork() == 0:\n        os.setsid()\n        time.sleep(600)\nprint('parent done')"
+    code = (
+        "import os, time\nfor _ in range(4):\n    if os.fork() == 0:\n        os.setsid()\n        time.sleep(600)\n"
+        "print('parent done')"
+    )
     result = run(code, scratch)
     assert result.status == "ok"
     uid = sandbox_uid()
@@ -112,10 +117,15 @@ def test_confined_server_command_has_no_network_and_writes_only_where_allowed(sc
     from canopy.envs.sandbox import confined
 
     outside = scratch.parent / "outside.txt"
-    probe = (f"import socket\nopen({str(scratch / 'inside.txt')!r}, 'w').write('ok')\n"
-             f"for attempt in (lambda: open({str(outside)!r}, 'w'), lambda: socket.create_connection(('127.0.0.1', 22), timeout=1)):\n"
-             "    try:\n        attempt()\n        print('ESCAPED')\n    except OSError:\n        print('blocked')")
-    run = subprocess.run(confined([sys.executable, "-c", probe], writable=[scratch]), capture_output=True, text=True, timeout=60)
+    probe = (
+        f"import socket\nopen({str(scratch / 'inside.txt')!r}, 'w').write('ok')\n"
+        f"for attempt in (lambda: open({str(outside)!r}, 'w'), lambda: socket.create_connection(('127.0.0.1', 22), "
+        "timeout=1)):\n"
+        "    try:\n        attempt()\n        print('ESCAPED')\n    except OSError:\n        print('blocked')"
+    )
+    run = subprocess.run(
+        confined([sys.executable, "-c", probe], writable=[scratch]), capture_output=True, text=True, timeout=60
+    )
     assert run.returncode == 0, run.stderr
     assert run.stdout.split() == ["blocked", "blocked"]
     assert (scratch / "inside.txt").read_text() == "ok" and not outside.exists()
@@ -126,11 +136,16 @@ def test_per_user_folders_of_libraries_land_in_the_scratch_dir(scratch, monkeypa
     even when the caller's environment points those variables elsewhere."""
     monkeypatch.setenv("XDG_CACHE_HOME", "/root/.cache")
     monkeypatch.setenv("HF_HOME", "/root/.cache/huggingface")
-    code = ("import os\n"
-            "for name in ('HOME', 'XDG_CACHE_HOME', 'XDG_CONFIG_HOME', 'IPYTHONDIR', 'MPLCONFIGDIR', 'HF_HOME', 'TRITON_CACHE_DIR'):\n"
-            "    os.makedirs(os.path.join(os.environ[name], 'made'), exist_ok=True)\n"
-            "os.makedirs(os.path.expanduser('~/.ipython/profile_default'))\n"
-            "print('ok')")
+    code = (
+        "import os\n"
+        "for name in ('HOME', 'XDG_CACHE_HOME', 'XDG_CONFIG_HOME', 'IPYTHONDIR', 'MPLCONFIGDIR', 'HF_HOME', "
+        "'TRITON_CACHE_DIR'):\n"
+        "    os.makedirs(os.path.join(os.environ[name], 'made'), exist_ok=True)\n"
+        "os.makedirs(os.path.expanduser('~/.ipython/profile_default'))\n"
+        "print('ok')"
+    )
     result = run(code, scratch)
     assert result.status == "ok", result.output
-    assert (scratch / ".ipython" / "profile_default").is_dir() and (scratch / ".cache" / "huggingface" / "made").is_dir()
+    assert (scratch / ".ipython" / "profile_default").is_dir() and (
+        scratch / ".cache" / "huggingface" / "made"
+    ).is_dir()

@@ -24,8 +24,14 @@ from canopy.envs.embedded import EmbeddedEnvironment
 from canopy.rollout.agent_loop import Budget, render_prompt, run_episodes
 from canopy.rollout.engine import SamplingParams
 from canopy.rollout.sglang_engine import (
-    GROUP_NAME, EngineFault, SGLangEngine, SGLangSettings, StaleSampleError, broadcast_from_trainer,
-    init_custom_process_group, launch_command,
+    GROUP_NAME,
+    EngineFault,
+    SGLangEngine,
+    SGLangSettings,
+    StaleSampleError,
+    broadcast_from_trainer,
+    init_custom_process_group,
+    launch_command,
 )
 
 STOPS = [2, 0]  # <|im_end|>, <|endoftext|> in the tiny tokenizer
@@ -154,8 +160,15 @@ def test_attach_resets_to_base_then_requests_and_replies(tiny_path, tmp_path, fa
     bodies = sorted(server.bodies("/generate"), key=lambda b: len(b["input_ids"]))
     assert bodies[1] == {
         "input_ids": [5, 6, 7],
-        "sampling_params": {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "max_new_tokens": 10,
-                            "stop_token_ids": [0, 2], "skip_special_tokens": False, "no_stop_trim": True},
+        "sampling_params": {
+            "temperature": 0.6,
+            "top_p": 0.95,
+            "top_k": 20,
+            "max_new_tokens": 10,
+            "stop_token_ids": [0, 2],
+            "skip_special_tokens": False,
+            "no_stop_trim": True,
+        },
         "return_logprob": True,
     }
     assert len(bodies) == 2 and bodies[0]["sampling_params"]["max_new_tokens"] == 1
@@ -208,8 +221,14 @@ def test_samples_from_another_weight_version_are_refused(tiny_path, tmp_path, fa
     with pytest.raises(StaleSampleError, match=r"\['7'\] but the engine holds 0"):
         engine.generate([[5]], [4], SamplingParams())
     spans = [{"version": "-1", "start": 0, "end": 1}, {"version": "0", "start": 1, "end": 2}]  # updated mid-request
-    reply = {"meta_info": {"finish_reason": {"type": "length"}, "weight_version": "0", "weight_versions": spans,
-                           "output_token_logprobs": [[-1.0, 3, None], [-1.0, 4, None]]}}
+    reply = {
+        "meta_info": {
+            "finish_reason": {"type": "length"},
+            "weight_version": "0",
+            "weight_versions": spans,
+            "output_token_logprobs": [[-1.0, 3, None], [-1.0, 4, None]],
+        }
+    }
     with pytest.raises(StaleSampleError):
         engine.parse(reply)
 
@@ -223,8 +242,13 @@ def test_disk_sync_writes_a_loadable_checkpoint_and_drives_the_servers_in_order(
 
     v1 = tmp_path / "sync" / "v1"
     for server in (a, b):
-        assert server.paths(before) == ["/pause_generation", "/update_weights_from_disk", "/flush_cache",
-                                        "/continue_generation", "/model_info"]
+        assert server.paths(before) == [
+            "/pause_generation",
+            "/update_weights_from_disk",
+            "/flush_cache",
+            "/continue_generation",
+            "/model_info",
+        ]
         assert server.calls[before][1] == {"mode": "abort"}
         assert server.calls[before + 1][1] == {"model_path": str(v1), "weight_version": "1"}
     shards = sorted(v1.glob("model-*.safetensors"))
@@ -264,8 +288,14 @@ def test_distributed_sync_choreography(tiny_path, tmp_path, fake):
         return "GROUP"
 
     engine = engine_for(
-        tiny_path, tmp_path, [a, b], weight_sync="distributed", sync_backend="gloo", bucket_bytes=30_000,
-        init_group=init_group, broadcast=lambda tensor, group: broadcasts.append((tensor, group)),
+        tiny_path,
+        tmp_path,
+        [a, b],
+        weight_sync="distributed",
+        sync_backend="gloo",
+        bucket_bytes=30_000,
+        init_group=init_group,
+        broadcast=lambda tensor, group: broadcasts.append((tensor, group)),
     )
     before = len(a.calls)
     weights = tiny_weights(tiny_path, shift=1.0)
@@ -278,8 +308,14 @@ def test_distributed_sync_choreography(tiny_path, tmp_path, fake):
         begin = ["/init_weights_update_group", "/pause_generation", "/begin_weight_update"]
         end = ["/end_weight_update", "/continue_generation", "/model_info"]
         assert paths == begin + ["/update_weights_from_distributed"] * len(updates) + end
-        assert server.calls[before][1] == {"master_address": "127.0.0.1", "master_port": 29600, "rank_offset": offset,
-                                           "world_size": 3, "group_name": GROUP_NAME, "backend": "gloo"}
+        assert server.calls[before][1] == {
+            "master_address": "127.0.0.1",
+            "master_port": 29600,
+            "rank_offset": offset,
+            "world_size": 3,
+            "group_name": GROUP_NAME,
+            "backend": "gloo",
+        }
         assert len(updates) >= 2 and [u.get("weight_version") for u in updates] == [None] * (len(updates) - 1) + ["1"]
         assert [n for u in updates for n in u["names"]] == list(weights)
         assert [s for u in updates for s in u["shapes"]] == [list(t.shape) for t in weights.values()]
@@ -296,11 +332,20 @@ def test_trainer_side_process_group_broadcasts_to_a_peer(tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     # the peer (a server's rank) runs the same function's source, without importing canopy (and transformers)
-    peer = subprocess.Popen([sys.executable, "-c", (
-        "import torch\nfrom datetime import timedelta\n" + inspect.getsource(init_custom_process_group) +
-        f"g = init_custom_process_group('gloo', 'tcp://127.0.0.1:{port}', 2, 1, 'canopy_test')\n"
-        "t = torch.zeros(3); torch.distributed.broadcast(t, src=0, group=g); print(t.tolist())"
-    )], stdout=subprocess.PIPE, text=True)
+    peer = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            (
+                "import torch\nfrom datetime import timedelta\n"
+                + inspect.getsource(init_custom_process_group)
+                + f"g = init_custom_process_group('gloo', 'tcp://127.0.0.1:{port}', 2, 1, 'canopy_test')\n"
+                "t = torch.zeros(3); torch.distributed.broadcast(t, src=0, group=g); print(t.tolist())"
+            ),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     group = init_custom_process_group("gloo", f"tcp://127.0.0.1:{port}", 2, 0, "canopy_test")
     broadcast_from_trainer(torch.tensor([1.0, 2.0, 3.0]), group)
     out, _ = peer.communicate(timeout=60)
@@ -314,16 +359,18 @@ def test_agent_loop_quarantines_only_the_episode_whose_request_failed(tiny_path,
     env = EmbeddedEnvironment()
     tasks = [Task(f"vault0_s{s}_t1", 1, "vault0", {"vault": 0, "start": s, "goal_end": s + 1}) for s in (0, 3)]
     server.fail_prefix = render_prompt(tokenizer, env.start(tasks[0], seed=0).messages())
-    budget = Budget(max_turns=2, max_response_tokens=64, max_prompt_tokens=128, max_observation_tokens=32,
-                    max_context_tokens=512)
+    budget = Budget(
+        max_turns=2, max_response_tokens=64, max_prompt_tokens=128, max_observation_tokens=32, max_context_tokens=512
+    )
     failed, served = run_episodes(engine, env, tokenizer, [(tasks[0], 0), (tasks[1], 1)], budget, SamplingParams())[0]
     assert (failed.ending, failed.quarantine, failed.verdict) == ("quarantined", "engine_request_failed", None)
     assert served.quarantine is None and served.verdict is not None and served.weight_versions == {0}
 
 
 def test_launch_command_for_the_enlarged_budget():
-    settings = SGLangSettings(python="/venv/bin/python", base_port=31000, base_gpu_id=1, tp_size=2,
-                              extra_args=["--dtype", "bfloat16"])
+    settings = SGLangSettings(
+        python="/venv/bin/python", base_port=31000, base_gpu_id=1, tp_size=2, extra_args=["--dtype", "bfloat16"]
+    )
     yarn = {"rope_type": "yarn", "factor": 1.5, "original_max_position_embeddings": 40960}
     argv, env = launch_command(settings, "/models/q", 1, 61440, yarn, seed=3)
     flags = dict(zip(argv[3::2], argv[4::2]))

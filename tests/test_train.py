@@ -16,21 +16,47 @@ from tests.test_config import config
 
 ROOT = Path(__file__).resolve().parents[1]
 REQUIRED_TAGS = [
-    "reward/mean", "reward/success", "success/tier1", "success/tier2", "success/tier3",
-    "actor/pg_clipfrac", "actor/ppo_kl", "actor/kl", "actor/entropy", "actor/grad_norm", "actor/loss",
-    "rollout/response_length", "rollout/turns", "rollout/truncated_frac", "rollout/quarantined",
-    "time/generation", "time/env", "time/reference", "time/update", "time/weight_sync",
-    "coverage/mixed", "coverage/all_fail", "coverage/all_success",
+    "reward/mean",
+    "reward/success",
+    "success/tier1",
+    "success/tier2",
+    "success/tier3",
+    "actor/pg_clipfrac",
+    "actor/ppo_kl",
+    "actor/kl",
+    "actor/entropy",
+    "actor/grad_norm",
+    "actor/loss",
+    "rollout/response_length",
+    "rollout/turns",
+    "rollout/truncated_frac",
+    "rollout/quarantined",
+    "time/generation",
+    "time/env",
+    "time/reference",
+    "time/update",
+    "time/weight_sync",
+    "coverage/mixed",
+    "coverage/all_fail",
+    "coverage/all_success",
 ]
 
 
-def train(tmp_path, steps: int, *overrides: str):
-    """`python train.py` on a small embedded run in `tmp_path/run`; returns (run dir, completed process)."""
-    run_dir = tmp_path / "run"
+def train(tmp_path, steps: int, *overrides: str, name: str = "run"):
+    """`python train.py` on a small embedded run in `tmp_path/<name>` (the tiny model built once in `tmp_path/tiny`);
+    returns (run dir, completed process)."""
+    run_dir = tmp_path / name
     command = [
-        sys.executable, "train.py", f"hydra.run.dir={run_dir}", f"model.tiny.dir={tmp_path / 'tiny'}",
-        "model.tiny.format_warmup_steps=30", f"trainer.max_steps={steps}", "data.tasks_per_step=4",
-        "algorithm.group_size=4", "report.eval_samples_per_task=1", *overrides,
+        sys.executable,
+        "train.py",
+        f"hydra.run.dir={run_dir}",
+        f"model.tiny.dir={tmp_path / 'tiny'}",
+        "model.tiny.format_warmup_steps=30",
+        f"trainer.max_steps={steps}",
+        "data.tasks_per_step=4",
+        "algorithm.group_size=4",
+        "report.eval_samples_per_task=1",
+        *overrides,
     ]
     run = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stderr[-3000:]
@@ -56,7 +82,12 @@ def test_short_training_run(tmp_path):
     assert (run_dir / "learning_curve.png").stat().st_size > 10_000
     assert "Success on the training tasks" in run.stdout
     # the three benign Lightning warnings are silenced by their exact text (train.py); nothing else warns
-    for benign in ("`dataloader_iter` step flavor", "Found `dataloader_iter` argument", "module(s) in eval mode", "LeafSpec"):
+    for benign in (
+        "`dataloader_iter` step flavor",
+        "Found `dataloader_iter` argument",
+        "module(s) in eval mode",
+        "LeafSpec",
+    ):
         assert benign not in run.stderr, benign
     assert "Warning" not in run.stderr and ".py:" not in run.stderr, run.stderr[-2000:]
 

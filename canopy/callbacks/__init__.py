@@ -10,10 +10,16 @@ from canopy.callbacks.coverage import CoverageLogger
 from canopy.callbacks.entropy import EntropyMonitor
 from canopy.callbacks.quarantine import QuarantineStats
 
-__all__ = ["BudgetTransferEval", "CoverageLogger", "EntropyMonitor", "OnPolicyAudit", "QuarantineStats", "build_callbacks"]
+__all__ = [
+    "BudgetTransferEval",
+    "CoverageLogger",
+    "EntropyMonitor",
+    "OnPolicyAudit",
+    "QuarantineStats",
+    "build_callbacks",
+]
 
 
 def build_callbacks(cfg: DictConfig) -> list:
     """Instantiate every `callbacks.<name>` entry that is not null (`callbacks.<name>=null` switches one off)."""
     return [instantiate(node) for node in (cfg.get("callbacks") or {}).values() if node is not None]
-

@@ -14,16 +14,23 @@ from canopy.plots import plot_budget_transfer
 
 
 class BudgetTransferEval(L.Callback):
-    """Logs `eval/{training,enlarged}_budget/tgc_<all|tierK>` (mean@k TGC); at the end writes `budget_transfer.{json,md}` and
-    `fig5_budget_transfer.png` in the run directory.
+    """Logs `eval/{training,enlarged}_budget/tgc_<all|tierK>` (mean@k TGC); at the end writes
+    `budget_transfer.{json,md}` and `fig5_budget_transfer.png` in the run directory.
 
     `run_config` holds the run's `engine`, `seed`, `budget` and `sampling`; `enlarged_budget` names a
     `conf/budget/` file. Each budget gets its own engine (built once, with that budget's RoPE scaling), so
     evaluation never advances the training engine's sampler.
     """
 
-    def __init__(self, run_config: DictConfig, enlarged_budget: str = "enlarged", split: str = "dev", k: int = 1,
-                 every_n_steps: int = 0, at_end: bool = True):
+    def __init__(
+        self,
+        run_config: DictConfig,
+        enlarged_budget: str = "enlarged",
+        split: str = "dev",
+        k: int = 1,
+        every_n_steps: int = 0,
+        at_end: bool = True,
+    ):
         enlarged = with_budget(run_config, load_budget(enlarged_budget))
         self.configs = {"training_budget": OmegaConf.merge(run_config), "enlarged_budget": enlarged}
         self.split, self.k, self.every_n_steps, self.at_end = split, k, every_n_steps, at_end
@@ -52,16 +59,35 @@ class BudgetTransferEval(L.Callback):
             engine.update_weights(weights.items(), pl_module.weight_version)
             if hasattr(engine, "generator"):
                 engine.generator.manual_seed(cfg.seed)  # same sampling noise at every evaluation
-            runs, quarantined = sample_runs(engine, dm.env, dm.tokenizer, tasks, self.k, build_budget(cfg),
-                                            build_sampling(cfg), seed=cfg.seed,
-                                            description=f"eval {cfg.budget.name} step {trainer.global_step}",
-                                            max_quarantine_fraction=dm.max_quarantine_fraction)
-            results.append(evaluation(tasks, runs, quarantined, policy=f"step {trainer.global_step}",
-                                      budget=budget_label(cfg.budget), role=role,
-                                      split=self.split, k=self.k, step=trainer.global_step))
+            runs, quarantined = sample_runs(
+                engine,
+                dm.env,
+                dm.tokenizer,
+                tasks,
+                self.k,
+                build_budget(cfg),
+                build_sampling(cfg),
+                seed=cfg.seed,
+                description=f"eval {cfg.budget.name} step {trainer.global_step}",
+                max_quarantine_fraction=dm.max_quarantine_fraction,
+            )
+            results.append(
+                evaluation(
+                    tasks,
+                    runs,
+                    quarantined,
+                    policy=f"step {trainer.global_step}",
+                    budget=budget_label(cfg.budget),
+                    role=role,
+                    split=self.split,
+                    k=self.k,
+                    step=trainer.global_step,
+                )
+            )
         if trainer.logger is not None:
-            logged = {f"eval/{r['role']}/tgc_{tier}": row["tgc_mean"]
-                      for r in results for tier, row in r["metrics"].items()}
+            logged = {
+                f"eval/{r['role']}/tgc_{tier}": row["tgc_mean"] for r in results for tier, row in r["metrics"].items()
+            }
             trainer.logger.log_metrics(logged, step=trainer.global_step)
         return results
 

@@ -27,10 +27,15 @@ class QuarantineStats(L.Callback):
         logged = {"quarantine/rate": rate, **{f"quarantine_total/{r}": float(c) for r, c in self.totals.items()}}
         pl_module.log_dict(logged, on_step=True, on_epoch=False, batch_size=1)
         if rate > self.warn_rate:
-            reasons = ", ".join(f"{k.removeprefix('quarantine/')}={int(scalar(v))}" for k, v in m.items()
-                                if k.startswith("quarantine/"))
-            warnings.warn(f"step {trainer.global_step}: {rate:.1%} of episodes quarantined ({reasons}) > "
-                          f"warn_rate {self.warn_rate:.1%}: check the environment workers", RuntimeWarning, stacklevel=1)
+            reasons = ", ".join(
+                f"{k.removeprefix('quarantine/')}={int(scalar(v))}" for k, v in m.items() if k.startswith("quarantine/")
+            )
+            warnings.warn(
+                f"step {trainer.global_step}: {rate:.1%} of episodes quarantined ({reasons}) > "
+                f"warn_rate {self.warn_rate:.1%}: check the environment workers",
+                RuntimeWarning,
+                stacklevel=1,
+            )
 
     def state_dict(self) -> dict:
         return {"totals": dict(self.totals)}

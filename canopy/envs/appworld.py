@@ -6,8 +6,9 @@ serve environment` runs), started lazily with that venv's python and health-chec
 unix socket, not a port: it executes the policy's code, so it must not be reachable from the network, and 64
 workers cannot collide on ports. It runs `confined`: no network, writes only beneath the AppWorld root (its
 databases open read-write) and its own folder, which is also its home (`private_home`: IPython, AppWorld's cache
-and every other per-user folder are created there, never in the user's home). Every episode initializes a fresh world under a unique experiment name
-(AppWorld deletes an experiment's output folder when a world starts) and deletes that folder at close.
+and every other per-user folder are created there, never in the user's home). Every episode initializes a fresh
+world under a unique experiment name (AppWorld deletes an experiment's output folder when a world starts) and
+deletes that folder at close.
 
 Episode: the ReAct-style prompt of AppWorld's agents (supervisor identity, app descriptions, API-doc
 discovery, `apis.supervisor.complete_task`); each reply's ```python``` block runs in the world; the episode
@@ -40,7 +41,16 @@ from pathlib import Path
 
 import httpx
 
-from canopy.envs.base import AgentFailure, EnvironmentFault, StepResult, Task, Verdict, extract_code, keep_fault_log, last_line
+from canopy.envs.base import (
+    AgentFailure,
+    EnvironmentFault,
+    StepResult,
+    Task,
+    Verdict,
+    extract_code,
+    keep_fault_log,
+    last_line,
+)
 from canopy.envs.sandbox import confined, private_home
 
 SYSTEM_PROMPT = """\
@@ -92,20 +102,42 @@ class AppWorldServer:
         self.socket, self.log = self.home / "server.sock", self.home / "server.log"
         self.request_timeout_s = request_timeout_s
         self.world: tuple[str, str] | None = None  # (task id, experiment name) of the live world
-        env = {**os.environ, **private_home(self.home / "home"), "TMPDIR": str(self.home / "tmp"), "APPWORLD_ROOT": root}
+        env = {
+            **os.environ,
+            **private_home(self.home / "home"),
+            "TMPDIR": str(self.home / "tmp"),
+            "APPWORLD_ROOT": root,
+        }
         (self.home / "tmp").mkdir()
         with open(self.log, "wb") as log:
-            server = [python, "-m", "uvicorn", "appworld.serve.environment:app", "--uds", str(self.socket), "--log-level", "warning"]
+            server = [
+                python,
+                "-m",
+                "uvicorn",
+                "appworld.serve.environment:app",
+                "--uds",
+                str(self.socket),
+                "--log-level",
+                "warning",
+            ]
             self.process = subprocess.Popen(
                 confined(server, writable=[self.home, root]),  # AppWorld opens its databases under root read-write
-                cwd=root, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                cwd=root,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=log,
             )
         self.client = httpx.Client(transport=httpx.HTTPTransport(uds=str(self.socket)), base_url="http://appworld")
         deadline = time.monotonic() + start_timeout_s
         while not self.healthy():
             if self.process.poll() is not None or time.monotonic() > deadline:
                 status = self.process.poll()
-                what = f"exited with status {status}" if status is not None else f"not healthy within {start_timeout_s:.0f} s"
+                what = (
+                    f"exited with status {status}"
+                    if status is not None
+                    else f"not healthy within {start_timeout_s:.0f} s"
+                )
                 fault = self.fault("appworld_server_start_failed", what)
                 self.stop()
                 raise fault
@@ -136,7 +168,9 @@ class AppWorldServer:
         try:
             reply = self.client.post(f"/{method}", json=body, timeout=timeout or self.request_timeout_s)
         except httpx.TimeoutException:
-            raise EnvironmentFault("appworld_server_unresponsive", f"/{method} got no reply in {timeout or self.request_timeout_s:.0f} s")
+            raise EnvironmentFault(
+                "appworld_server_unresponsive", f"/{method} got no reply in {timeout or self.request_timeout_s:.0f} s"
+            )
         except httpx.TransportError as error:
             if self.dead():
                 raise self.fault("appworld_server_died", f"exit status {self.process.returncode} during /{method}")
@@ -157,21 +191,35 @@ class AppWorldEpisode:
         self.env, self.task = env, task
         self.experiment = f"canopy-{uuid.uuid4().hex}"
         self.server = env.server()
-        self.info = self.server.call("initialize", task_id=task.task_id, experiment_name=self.experiment,
-                                     random_seed=seed, timeout_seconds=env.cell_timeout_s)  # instruction, supervisor
+        self.info = self.server.call(
+            "initialize",
+            task_id=task.task_id,
+            experiment_name=self.experiment,
+            random_seed=seed,
+            timeout_seconds=env.cell_timeout_s,
+        )  # instruction, supervisor
         self.server.world = (task.task_id, self.experiment)
         self.closed = False
 
     def messages(self) -> list[dict]:
-        system = SYSTEM_PROMPT.format(apps="\n".join(f"- {name}: {text}" for name, text in self.env.app_descriptions.items()))
-        return [{"role": "system", "content": system},
-                {"role": "user", "content": TASK_PROMPT.format(**self.info["supervisor"], instruction=self.info["instruction"])}]
+        system = SYSTEM_PROMPT.format(
+            apps="\n".join(f"- {name}: {text}" for name, text in self.env.app_descriptions.items())
+        )
+        return [
+            {"role": "system", "content": system},
+            {
+                "role": "user",
+                "content": TASK_PROMPT.format(**self.info["supervisor"], instruction=self.info["instruction"]),
+            },
+        ]
 
     def _check_identity(self) -> None:
         """The server must still be the one that built this episode's world, holding that world."""
         if self.env.live is not self.server or self.server.world != (self.task.task_id, self.experiment):
             held = self.env.live.world if self.env.live else None
-            raise EnvironmentFault("cross_episode_corruption", f"episode {self.task.task_id}/{self.experiment}, server holds {held}")
+            raise EnvironmentFault(
+                "cross_episode_corruption", f"episode {self.task.task_id}/{self.experiment}, server holds {held}"
+            )
 
     def step(self, action_text: str) -> StepResult:
         self._check_identity()
@@ -179,7 +227,9 @@ class AppWorldEpisode:
         if code is None:
             return StepResult("No ```python``` code block found. Reply with exactly one code block.", done=False)
         try:
-            output = self.server.call("execute", timeout=self.env.cell_timeout_s + 15, task_id=self.task.task_id, code=code)
+            output = self.server.call(
+                "execute", timeout=self.env.cell_timeout_s + 15, task_id=self.task.task_id, code=code
+            )
         except EnvironmentFault as fault:
             if fault.reason not in ("appworld_server_unresponsive", "appworld_request_failed") or self.server.dead():
                 raise
@@ -212,14 +262,27 @@ class AppWorldEnvironment:
 
     name = "appworld"
 
-    def __init__(self, python: str, root: str, cell_timeout_s: int = 100, request_timeout_s: float = 60.0,
-                 start_timeout_s: float = 120.0, max_observation_chars: int = 32768):
+    def __init__(
+        self,
+        python: str,
+        root: str,
+        cell_timeout_s: int = 100,
+        request_timeout_s: float = 60.0,
+        start_timeout_s: float = 120.0,
+        max_observation_chars: int = 32768,
+    ):
         self.python, self.root = os.path.abspath(python), os.path.abspath(root)  # the server runs in root
-        self.cell_timeout_s, self.request_timeout_s, self.start_timeout_s = cell_timeout_s, request_timeout_s, start_timeout_s
+        self.cell_timeout_s, self.request_timeout_s, self.start_timeout_s = (
+            cell_timeout_s,
+            request_timeout_s,
+            start_timeout_s,
+        )
         self.max_observation_chars = max_observation_chars
         self.live: AppWorldServer | None = None
         code = "import json; from appworld.apps import APP_TO_DESCRIPTION as d; print(json.dumps(d))"
-        out = subprocess.run([self.python, "-c", code], capture_output=True, text=True, check=True, timeout=start_timeout_s)
+        out = subprocess.run(
+            [self.python, "-c", code], capture_output=True, text=True, check=True, timeout=start_timeout_s
+        )
         self.app_descriptions = {name: text.strip() for name, text in json.loads(out.stdout).items() if name != "admin"}
 
     def tasks(self, split: str) -> list[Task]:
@@ -229,10 +292,11 @@ class AppWorldEnvironment:
         tasks = []
         for line in path.read_text().split():
             task_id = line.split(":")[0]  # AppWorld's dataset files may tag ids as "<id>:<tag>"
-            metadata = json.loads((Path(self.root) / "data" / "tasks" / task_id / "ground_truth" / "metadata.json").read_text())
+            metadata = json.loads(
+                (Path(self.root) / "data" / "tasks" / task_id / "ground_truth" / "metadata.json").read_text()
+            )
             tasks.append(Task(task_id, tier=metadata["difficulty"], scenario=task_id.split("_")[0]))
         return tasks
-
 
     def server(self) -> AppWorldServer:
         """The process's server, started (or restarted) when it is missing or unhealthy."""

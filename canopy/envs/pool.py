@@ -38,7 +38,16 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from canopy.envs.base import AgentFailure, EnvironmentFault, StepResult, SystemicFaultError, Task, Verdict, keep_fault_log, last_line
+from canopy.envs.base import (
+    AgentFailure,
+    EnvironmentFault,
+    StepResult,
+    SystemicFaultError,
+    Task,
+    Verdict,
+    keep_fault_log,
+    last_line,
+)
 from canopy.envs.sandbox import claim_uid, kill_uid, private_home
 from canopy.envs.worker import read_frame, write_frame
 
@@ -56,18 +65,35 @@ class PoolSettings:
 class Worker:
     """One worker process and its private channel."""
 
-    def __init__(self, factory: str, kwargs: dict, settings: PoolSettings, slot: int, scratch_root: Path, uid: int | None,
-                 log_dir: Path):
+    def __init__(
+        self,
+        factory: str,
+        kwargs: dict,
+        settings: PoolSettings,
+        slot: int,
+        scratch_root: Path,
+        uid: int | None,
+        log_dir: Path,
+    ):
         self.slot, self.settings, self.episodes_served, self.uid, self.log_dir = slot, settings, 0, uid, log_dir
         scratch = scratch_root / f"w{slot}"
         self.log = scratch_root / "logs" / f"worker{slot}.log"
         self.log.parent.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, **private_home(scratch / "home"), "CANOPY_SANDBOX_UID": str(self.uid or ""),
-               "CANOPY_SCRATCH_ROOT": str(scratch), "CANOPY_FAULT_LOG_DIR": str(log_dir)}
+        env = {
+            **os.environ,
+            **private_home(scratch / "home"),
+            "CANOPY_SANDBOX_UID": str(self.uid or ""),
+            "CANOPY_SCRATCH_ROOT": str(scratch),
+            "CANOPY_FAULT_LOG_DIR": str(log_dir),
+        }
         with open(self.log, "ab") as log:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "canopy.envs.worker", factory, json.dumps(kwargs), str(settings.memory_mb)],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, env=env, start_new_session=True,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=log,
+                env=env,
+                start_new_session=True,
             )
         self.pid = self.process.pid
         self.broken = False
@@ -133,13 +159,21 @@ class Worker:
 class EnvironmentPool:
     """An `Environment` served by `settings.workers` isolated worker processes (see the module docstring)."""
 
-    def __init__(self, factory: str, kwargs: dict, settings: PoolSettings, scratch_root: str | Path | None = None,
-                 log_dir: str | Path | None = None):
+    def __init__(
+        self,
+        factory: str,
+        kwargs: dict,
+        settings: PoolSettings,
+        scratch_root: str | Path | None = None,
+        log_dir: str | Path | None = None,
+    ):
         """Cheap: the workers start on first use (and again after `close()`)."""
         self.factory, self.kwargs, self.settings = factory, kwargs, settings
         self.name = f"pool:{factory}"
         self.max_concurrent_episodes = settings.workers
-        self.scratch_root = Path(scratch_root or Path(tempfile.gettempdir()) / f"canopy-envs-{os.getpid()}-{id(self):x}")
+        self.scratch_root = Path(
+            scratch_root or Path(tempfile.gettempdir()) / f"canopy-envs-{os.getpid()}-{id(self):x}"
+        )
         self.log_dir = Path(log_dir or Path(tempfile.gettempdir()) / "canopy-fault-logs").absolute()
         self.repairs = 0  # workers replaced after a failed health check
         self._idle: queue.Queue[int] = queue.Queue()  # slots free for an episode: an idle worker's, or a vacant one
@@ -164,7 +198,9 @@ class EnvironmentPool:
                 try:
                     self._spawn(slot)
                 except EnvironmentFault as fault:
-                    raise SystemicFaultError(f"environment worker for {self.factory} failed to start: {fault}") from None
+                    raise SystemicFaultError(
+                        f"environment worker for {self.factory} failed to start: {fault}"
+                    ) from None
                 self._idle.put(slot)
             self._started = True
 
@@ -172,7 +208,9 @@ class EnvironmentPool:
         return self._uids[slot][0] if slot in self._uids else None
 
     def _spawn(self, slot: int) -> Worker:
-        worker = Worker(self.factory, self.kwargs, self.settings, slot, self.scratch_root, self._uid(slot), self.log_dir)
+        worker = Worker(
+            self.factory, self.kwargs, self.settings, slot, self.scratch_root, self._uid(slot), self.log_dir
+        )
         with self._lock:
             self._workers[slot] = worker
         return worker

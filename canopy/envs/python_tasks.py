@@ -22,11 +22,7 @@ from canopy.envs.base import AgentFailure, EnvironmentFault, StepResult, Task, V
 from canopy.envs.sandbox import SandboxLimits, prepare_scratch, run_sandboxed
 
 SYSTEM_PROMPT = "Solve the task with Python. Reply with one ```python``` block; call submit(value) with the answer."
-PRELUDE = (
-    "def submit(value):\n"
-    "    open('answer.txt', 'w').write(str(value))\n"
-    "    open('.submitted', 'w').close()\n"
-)
+PRELUDE = "def submit(value):\n    open('answer.txt', 'w').write(str(value))\n    open('.submitted', 'w').close()\n"
 SPLIT_SEEDS = {"train": 0, "dev": 1, "test": 2}
 WORDS = ("pine", "oak", "fern", "moss", "elm", "ash", "yew", "fir", "ivy", "reed")
 
@@ -43,7 +39,10 @@ def make_tasks(split: str, per_tier: int = 10) -> list[Task]:
         specs = [
             (f"Submit the number {number}.", str(number)),
             (f"Submit the sum of the integers from {low} to {high} inclusive.", str(sum(range(low, high + 1)))),
-            (f"Submit the words {' '.join(words)} sorted alphabetically and joined by commas.", ",".join(sorted(words))),
+            (
+                f"Submit the words {' '.join(words)} sorted alphabetically and joined by commas.",
+                ",".join(sorted(words)),
+            ),
         ]
         for tier, (prompt, answer) in enumerate(specs, start=1):
             tasks.append(Task(f"{split}{i}_t{tier}", tier, f"{split}{i}", {"prompt": prompt, "answer": answer}))
@@ -96,7 +95,9 @@ class PythonTaskEnvironment:
     def __init__(self, sandbox: dict | None = None, max_observation_chars: int = 2000, tasks_per_tier: int = 10):
         self.limits = SandboxLimits(**(sandbox or {}))
         self.max_observation_chars, self.tasks_per_tier = max_observation_chars, tasks_per_tier
-        self.scratch_root = Path(os.environ.get("CANOPY_SCRATCH_ROOT") or Path(tempfile.gettempdir()) / "canopy-scratch")
+        self.scratch_root = Path(
+            os.environ.get("CANOPY_SCRATCH_ROOT") or Path(tempfile.gettempdir()) / "canopy-scratch"
+        )
 
     def tasks(self, split: str) -> list[Task]:
         return make_tasks(split, self.tasks_per_tier)

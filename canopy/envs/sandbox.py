@@ -8,9 +8,10 @@ or its own crash); `error` is an ordinary exception or syntax error, reported ba
 a sandbox that could not be set up raises `EnvironmentFault` (the serving layer's fault).
 
 When the caller is root, each sandbox runs as an unprivileged uid of its own, claimed with a lock file so no
-other process of any Canopy run uses it (the pool claims one per worker and passes it as `CANOPY_SANDBOX_UID`): the process limit then counts only that sandbox's
-processes, and every process it left behind is found and killed by uid. Unprivileged callers get a user
-namespace instead, and a process limit of (their current process count + `max_processes`).
+other process of any Canopy run uses it (the pool claims one per worker and passes it as `CANOPY_SANDBOX_UID`):
+the process limit then counts only that sandbox's processes, and every process it left behind is found and
+killed by uid. Unprivileged callers get a user namespace instead, and a process limit of (their current process
+count + `max_processes`).
 """
 
 import ctypes
@@ -91,13 +92,21 @@ def sandbox_python(uid: int | None) -> str:
         return sys.executable
     for python in (sys.executable, "/usr/bin/python3"):
         try:
-            probe = subprocess.run([python, "-I", "-S", "-c", "import ctypes, json, traceback"], user=uid, group=uid,
-                                   extra_groups=[], capture_output=True, timeout=60)
+            probe = subprocess.run(
+                [python, "-I", "-S", "-c", "import ctypes, json, traceback"],
+                user=uid,
+                group=uid,
+                extra_groups=[],
+                capture_output=True,
+                timeout=60,
+            )
         except (OSError, subprocess.TimeoutExpired):
             continue
         if probe.returncode == 0:
             return python
-    raise EnvironmentFault("sandbox_setup_failed", f"no Python is readable by sandbox uid {uid}: install python3 outside /root")
+    raise EnvironmentFault(
+        "sandbox_setup_failed", f"no Python is readable by sandbox uid {uid}: install python3 outside /root"
+    )
 
 
 @functools.cache
@@ -136,7 +145,9 @@ def prepare_scratch(scratch: Path) -> Path:
     if uid is not None:
         closed = next((p for p in scratch.resolve().parents if not p.stat().st_mode & stat.S_IXOTH), None)
         if closed is not None:
-            raise EnvironmentFault("sandbox_setup_failed", f"{closed} is closed to the sandbox user: chmod o+x it or scratch elsewhere")
+            raise EnvironmentFault(
+                "sandbox_setup_failed", f"{closed} is closed to the sandbox user: chmod o+x it or scratch elsewhere"
+            )
         os.chown(scratch, uid, uid)
     return scratch
 
@@ -148,9 +159,16 @@ def private_home(home: Path) -> dict[str, str]:
     `~/.ipython` once failed every AppWorld episode of a fresh machine), and a run must not depend on it."""
     home.mkdir(parents=True, exist_ok=True)
     folders = {
-        "HOME": "", "XDG_CACHE_HOME": ".cache", "XDG_CONFIG_HOME": ".config", "XDG_DATA_HOME": ".local/share",
-        "XDG_STATE_HOME": ".local/state", "IPYTHONDIR": ".ipython", "MPLCONFIGDIR": ".config/matplotlib",
-        "HF_HOME": ".cache/huggingface", "TRITON_CACHE_DIR": ".triton/cache", "TORCHINDUCTOR_CACHE_DIR": ".cache/torchinductor",
+        "HOME": "",
+        "XDG_CACHE_HOME": ".cache",
+        "XDG_CONFIG_HOME": ".config",
+        "XDG_DATA_HOME": ".local/share",
+        "XDG_STATE_HOME": ".local/state",
+        "IPYTHONDIR": ".ipython",
+        "MPLCONFIGDIR": ".config/matplotlib",
+        "HF_HOME": ".cache/huggingface",
+        "TRITON_CACHE_DIR": ".triton/cache",
+        "TORCHINDUCTOR_CACHE_DIR": ".cache/torchinductor",
         "APPWORLD_CACHE": ".appworld",
     }
     return {variable: str(home / folder) for variable, folder in folders.items()}
@@ -161,12 +179,21 @@ def run_sandboxed(code: str, scratch: Path, limits: SandboxLimits) -> ExecResult
     _become_subreaper()
     nproc = limits.max_processes if uid is not None else _process_count(os.getuid()) + limits.max_processes
     settings = {**asdict(limits), "uid": uid, "nproc": nproc, "parent_pid": os.getpid()}
-    environment = {"PATH": "/usr/local/bin:/usr/bin:/bin", **private_home(scratch), "TMPDIR": str(scratch), "PYTHONDONTWRITEBYTECODE": "1"}
+    environment = {
+        "PATH": "/usr/local/bin:/usr/bin:/bin",
+        **private_home(scratch),
+        "TMPDIR": str(scratch),
+        "PYTHONDONTWRITEBYTECODE": "1",
+    }
     with tempfile.TemporaryFile() as output:  # a file, not a pipe: a flood of output cannot block or bloat us
         process = subprocess.Popen(
             [sandbox_python(uid), "-I", "-S", str(RUNNER), str(scratch), json.dumps(settings)],
-            stdin=subprocess.PIPE, stdout=output, stderr=subprocess.STDOUT,
-            cwd=scratch, env=environment, start_new_session=True,
+            stdin=subprocess.PIPE,
+            stdout=output,
+            stderr=subprocess.STDOUT,
+            cwd=scratch,
+            env=environment,
+            start_new_session=True,
         )
         try:
             process.stdin.write(code.encode())

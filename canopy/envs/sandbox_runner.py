@@ -37,7 +37,11 @@ libc.syscall.restype = ctypes.c_long
 
 
 class RulesetAttr(ctypes.Structure):
-    _fields_ = [("handled_access_fs", ctypes.c_uint64), ("handled_access_net", ctypes.c_uint64), ("scoped", ctypes.c_uint64)]
+    _fields_ = [
+        ("handled_access_fs", ctypes.c_uint64),
+        ("handled_access_net", ctypes.c_uint64),
+        ("scoped", ctypes.c_uint64),
+    ]
 
 
 class PathBeneathAttr(ctypes.Structure):
@@ -59,7 +63,11 @@ def isolate_network() -> None:
         return
     uid, gid = os.getuid(), os.getgid()  # unprivileged: a user namespace that maps us to ourselves
     _check(libc.unshare(CLONE_NEWUSER | CLONE_NEWNET), "unshare(CLONE_NEWUSER|CLONE_NEWNET)")
-    for path, text in (("/proc/self/setgroups", "deny"), ("/proc/self/uid_map", f"{uid} {uid} 1"), ("/proc/self/gid_map", f"{gid} {gid} 1")):
+    for path, text in (
+        ("/proc/self/setgroups", "deny"),
+        ("/proc/self/uid_map", f"{uid} {uid} 1"),
+        ("/proc/self/gid_map", f"{gid} {gid} 1"),
+    ):
         with open(path, "w") as f:
             f.write(text)
 
@@ -88,16 +96,33 @@ def die_with_parent(parent_pid: int) -> None:
 
 
 def restrict_writes(*writable: str) -> None:
-    """Landlock: writes only beneath the `writable` paths (and to /dev/null); TCP bind/connect denied where the ABI has it."""
-    abi = _check(libc.syscall(SYS_LANDLOCK_CREATE_RULESET, None, ctypes.c_size_t(0), ctypes.c_uint32(1)), "Landlock ABI")
-    handled = WRITE_FILE | REMOVE_DIR | REMOVE_FILE | MAKE_ALL | (REFER if abi >= 2 else 0) | (TRUNCATE if abi >= 3 else 0)
-    attr = RulesetAttr(handled, NET_BIND_TCP | NET_CONNECT_TCP if abi >= 4 else 0, SCOPE_ABSTRACT_UNIX_SOCKET | SCOPE_SIGNAL if abi >= 6 else 0)
+    """Landlock: writes only beneath the `writable` paths (and to /dev/null); TCP bind/connect denied where the
+    ABI has it."""
+    abi = _check(
+        libc.syscall(SYS_LANDLOCK_CREATE_RULESET, None, ctypes.c_size_t(0), ctypes.c_uint32(1)), "Landlock ABI"
+    )
+    handled = (
+        WRITE_FILE | REMOVE_DIR | REMOVE_FILE | MAKE_ALL | (REFER if abi >= 2 else 0) | (TRUNCATE if abi >= 3 else 0)
+    )
+    attr = RulesetAttr(
+        handled,
+        NET_BIND_TCP | NET_CONNECT_TCP if abi >= 4 else 0,
+        SCOPE_ABSTRACT_UNIX_SOCKET | SCOPE_SIGNAL if abi >= 6 else 0,
+    )
     size = 24 if abi >= 6 else 16 if abi >= 4 else 8
-    ruleset = _check(libc.syscall(SYS_LANDLOCK_CREATE_RULESET, ctypes.byref(attr), ctypes.c_size_t(size), ctypes.c_uint32(0)), "landlock_create_ruleset")
+    ruleset = _check(
+        libc.syscall(SYS_LANDLOCK_CREATE_RULESET, ctypes.byref(attr), ctypes.c_size_t(size), ctypes.c_uint32(0)),
+        "landlock_create_ruleset",
+    )
     for path, allowed in [(p, handled) for p in writable] + [("/dev/null", WRITE_FILE | (TRUNCATE if abi >= 3 else 0))]:
         fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
         rule = PathBeneathAttr(allowed, fd)
-        _check(libc.syscall(SYS_LANDLOCK_ADD_RULE, ruleset, LANDLOCK_RULE_PATH_BENEATH, ctypes.byref(rule), ctypes.c_uint32(0)), f"landlock_add_rule({path})")
+        _check(
+            libc.syscall(
+                SYS_LANDLOCK_ADD_RULE, ruleset, LANDLOCK_RULE_PATH_BENEATH, ctypes.byref(rule), ctypes.c_uint32(0)
+            ),
+            f"landlock_add_rule({path})",
+        )
         os.close(fd)
     _check(libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl(PR_SET_NO_NEW_PRIVS)")
     _check(libc.syscall(SYS_LANDLOCK_RESTRICT_SELF, ruleset, ctypes.c_uint32(0)), "landlock_restrict_self")

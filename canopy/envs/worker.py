@@ -25,7 +25,7 @@ def write_frame(fd: int, message) -> None:
     data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
     view = memoryview(HEADER.pack(len(data)) + data)
     while view:
-        view = view[os.write(fd, view):]
+        view = view[os.write(fd, view) :]
 
 
 def read_exactly(fd: int, size: int) -> bytes:

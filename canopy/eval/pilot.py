@@ -19,8 +19,13 @@ def pilot_report(rates: dict[str, tuple[float, int]], tau: float, group_sizes: l
     tiers = {}
     for tier, (p, episodes) in rates.items():
         n, note = group_size_rule(p, episodes, tau)
-        tiers[tier] = {"p": p, "episodes": episodes, "n_eq5": n, "note": note,
-                       "p_sig": {str(g): signal_coverage(p, g) for g in group_sizes}}
+        tiers[tier] = {
+            "p": p,
+            "episodes": episodes,
+            "n_eq5": n,
+            "note": note,
+            "p_sig": {str(g): signal_coverage(p, g) for g in group_sizes},
+        }
     hardest = min(rates, key=lambda t: rates[t][0])
     return {"tau": tau, "hardest": hardest, "recommended_group_size": tiers[hardest]["n_eq5"], "tiers": tiers}
 
@@ -34,6 +39,9 @@ def format_pilot(report: dict, group_sizes: list[int]) -> str:
         rows.append(f"| {tier} | {row['p']:.3f} | {row['episodes']} | {n} | {p_sig} |")
     notes = [f"{t}: {row['note']}" for t, row in report["tiers"].items() if row["note"]]
     hardest = report["hardest"]
-    rows += ["", f"Eq. 5 at the hardest tier ({hardest}, p_min={report['tiers'][hardest]['p']:.3f}) for coverage "
-                 f"tau={report['tau']}: group size n >= {report['recommended_group_size']}"] + notes
+    rows += [
+        "",
+        f"Eq. 5 at the hardest tier ({hardest}, p_min={report['tiers'][hardest]['p']:.3f}) for coverage "
+        f"tau={report['tau']}: group size n >= {report['recommended_group_size']}",
+    ] + notes
     return "\n".join(rows)

@@ -34,14 +34,26 @@ def with_budget(cfg: DictConfig, budget_cfg: DictConfig) -> DictConfig:
     return out
 
 
-def sample_runs(engine, env, tokenizer, tasks: list[Task], k: int, budget, sampling, seed: int = 0,
-                description: str = "evaluating", max_quarantine_fraction: float = 0.5) -> tuple[dict[str, list[float]], int]:
+def sample_runs(
+    engine,
+    env,
+    tokenizer,
+    tasks: list[Task],
+    k: int,
+    budget,
+    sampling,
+    seed: int = 0,
+    description: str = "evaluating",
+    max_quarantine_fraction: float = 0.5,
+) -> tuple[dict[str, list[float]], int]:
     """k episodes per task at the engine's current weights: ({task id: k sparse outcomes}, quarantined count).
     Quarantined episodes carry no outcome (Appendix G); a task keeps its other runs. A systematic serving
     fault stops the evaluation (`check_systemic_faults`) rather than reporting a score over the survivors."""
     jobs = [(task, i) for task in tasks for i in range(k)]
     trajectories, _ = run_episodes(engine, env, tokenizer, jobs, budget, sampling, seed=seed, description=description)
-    check_systemic_faults(trajectories, max_quarantine_fraction, getattr(env, "max_concurrent_episodes", None), description)
+    check_systemic_faults(
+        trajectories, max_quarantine_fraction, getattr(env, "max_concurrent_episodes", None), description
+    )
     runs: dict[str, list[float]] = defaultdict(list)
     quarantined = 0
     for t in trajectories:
@@ -70,10 +82,14 @@ def checkpoint_weights(checkpoint: str | Path, base_path: str):
         policy.load_state_dict({k.removeprefix("policy."): v for k, v in state.items() if k.startswith("policy.")})
         return base_path, iter_hf_weights(policy, adapter)
     if path.is_dir():
-        raise ConfigError(f"checkpoint '{path}' has no config.json (a sharded DCP checkpoint?): pass an HF directory "
-                          "such as <run dir>/final_hf or a single-process .ckpt")
-    raise ConfigError(f"checkpoint '{path}' does not exist: pass an HF checkpoint directory (e.g. <run dir>/final_hf) "
-                      "or a .ckpt written by checkpoint.every_n_steps")
+        raise ConfigError(
+            f"checkpoint '{path}' has no config.json (a sharded DCP checkpoint?): pass an HF directory "
+            "such as <run dir>/final_hf or a single-process .ckpt"
+        )
+    raise ConfigError(
+        f"checkpoint '{path}' does not exist: pass an HF checkpoint directory (e.g. <run dir>/final_hf) "
+        "or a .ckpt written by checkpoint.every_n_steps"
+    )
 
 
 def format_table3(results: list[dict]) -> str:
@@ -84,8 +100,10 @@ def format_table3(results: list[dict]) -> str:
     pct = lambda row, key: f"{100 * row[key]:.1f}" if key in row else "-"  # noqa: E731
     for r in results:
         for tier, row in r["metrics"].items():
-            rows.append(f"| {r['policy']} | {r['budget']} | {r['split']} | {tier} ({row['tasks']}) | "
-                        f"{pct(row, 'tgc_mean')} | {pct(row, 'tgc_best')} | {pct(row, 'sgc_mean')} | {pct(row, 'sgc_best')} |")
+            rows.append(
+                f"| {r['policy']} | {r['budget']} | {r['split']} | {tier} ({row['tasks']}) | "
+                f"{pct(row, 'tgc_mean')} | {pct(row, 'tgc_best')} | {pct(row, 'sgc_mean')} | {pct(row, 'sgc_best')} |"
+            )
     return "\n".join(rows)
 
 

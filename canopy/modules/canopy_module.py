@@ -26,7 +26,6 @@ from canopy.modules.parallel import (
 from canopy.modules.policy import export_hf_state_dict, iter_hf_weights, load_policy, unwrap
 from canopy.objective import canopy_loss
 
-
 BENIGN_WARNINGS = (
     r"You are using the `dataloader_iter` step flavor",  # the step pulls its batch once the synced weights are in
     r"Found `dataloader_iter` argument in the `training_step`",
@@ -77,7 +76,9 @@ def padded_width(width: int, cp_mesh) -> int:
     return -(-width // multiple) * multiple
 
 
-def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+def token_logprobs(
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probability of each position's target and the entropy of its distribution, at the sampling temperature.
 
     `logits` [B, T, V] and `targets` [B, T] are aligned (see `sequence_inputs`); outputs are [B, T]. Scoring at
@@ -92,7 +93,9 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: flo
     return chosen, entropy
 
 
-def vocab_parallel_token_logprobs(logits: DTensor, targets: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+def vocab_parallel_token_logprobs(
+    logits: DTensor, targets: torch.Tensor, temperature: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """`token_logprobs` for logits column-sharded over the vocabulary (TP's output projection, `Shard(-1)`).
 
     Each rank keeps its [B, T, V/tp] slice: log-softmax = logit - max - log sum exp, with the max and the sum of
@@ -174,7 +177,9 @@ class CanopyModule(L.LightningModule):
         if self.parallel.cp > 1 and self.device.type == "cpu":
             raise ConfigError(CP_NEEDS_GPU)
         if world > 1:
-            self.policy, self.adapter, self.parallel_dims = build_parallel_policy(path, self.parallel, world, self.device)
+            self.policy, self.adapter, self.parallel_dims = build_parallel_policy(
+                path, self.parallel, world, self.device
+            )
             self.reference, _, _ = build_parallel_policy(
                 path, self.parallel, world, self.device, trainable=False, dims=self.parallel_dims
             )
@@ -196,7 +201,9 @@ class CanopyModule(L.LightningModule):
         result = super().load_state_dict(state_dict, strict=False, **kwargs)
         missing = [k for k in result.missing_keys if not k.startswith("reference.")]
         if strict and (missing or result.unexpected_keys):
-            raise RuntimeError(f"checkpoint does not match the policy: missing {missing}, unexpected {result.unexpected_keys}")
+            raise RuntimeError(
+                f"checkpoint does not match the policy: missing {missing}, unexpected {result.unexpected_keys}"
+            )
         return result
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
@@ -246,8 +253,10 @@ class CanopyModule(L.LightningModule):
 
     def _global_counts(self, minibatch) -> tuple[float, float]:
         """Action tokens and sequences of this (mini)batch summed over the data-parallel shards."""
-        counts = {"tokens": float(minibatch.num_action_tokens),
-                  "sequences": float((minibatch.action_mask[:, 1:].sum(-1) > 0).sum())}
+        counts = {
+            "tokens": float(minibatch.num_action_tokens),
+            "sequences": float((minibatch.action_mask[:, 1:].sum(-1) > 0).sum()),
+        }
         counts = all_reduce_sum(counts, self.parallel_dims, over="batch")
         return counts["tokens"], counts["sequences"]
 
@@ -313,7 +322,9 @@ class CanopyModule(L.LightningModule):
         dp_rank, dp_size = data_parallel_rank(self.parallel_dims)
         full_batch = batch
         if len(full_batch.lengths) < dp_size * h.minibatches_per_step:
-            raise RuntimeError(f"{len(full_batch.lengths)} surviving episodes cannot feed {dp_size} data-parallel shards")
+            raise RuntimeError(
+                f"{len(full_batch.lengths)} surviving episodes cannot feed {dp_size} data-parallel shards"
+            )
         batch = batch.select(torch.arange(len(batch.lengths))[dp_rank::dp_size]) if dp_size > 1 else batch
         micro_batches = self._micro_batches(batch)
 
@@ -323,9 +334,13 @@ class CanopyModule(L.LightningModule):
 
         started = time.perf_counter()
         # Off-policy ablation only: the behaviour policy's logprobs need their own forward pass before any update.
-        old_logprobs = None if h.minibatches_per_step == 1 else self._logprobs_no_grad(self.policy, batch, micro_batches)
+        old_logprobs = (
+            None if h.minibatches_per_step == 1 else self._logprobs_no_grad(self.policy, batch, micro_batches)
+        )
         optimizer = self.optimizers()
-        order = torch.randperm(len(batch.lengths), generator=torch.Generator().manual_seed(h.seed + self.weight_version))
+        order = torch.randperm(
+            len(batch.lengths), generator=torch.Generator().manual_seed(h.seed + self.weight_version)
+        )
         sums: dict[str, float] = {}
         grad_norms = []
         for m, minibatch_indices in enumerate(order.chunk(h.minibatches_per_step)):
@@ -355,6 +370,10 @@ class CanopyModule(L.LightningModule):
         self.log_dict(logged, on_step=True, on_epoch=False, batch_size=len(full_batch.lengths))
         self.log_dict(
             {"success": logged.get("reward/success", 0.0), "kl": logged["actor/kl"]},
-            on_step=True, on_epoch=False, prog_bar=True, logger=False, batch_size=len(full_batch.lengths),
+            on_step=True,
+            on_epoch=False,
+            prog_bar=True,
+            logger=False,
+            batch_size=len(full_batch.lengths),
         )
         return None

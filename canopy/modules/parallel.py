@@ -15,12 +15,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from safetensors import safe_open
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.fsdp import FSDPModule
 
 from canopy.config import ConfigError
-from safetensors import safe_open
-
 from canopy.modules.policy import qwen3_config_from_hf, read_hf_config, safetensors_files
 
 
@@ -55,15 +54,19 @@ def apply_activation_checkpointing(model: torch.nn.Module, mode: str) -> torch.n
 
 
 def build_parallel_policy(
-    path: str | Path, settings: ParallelSettings, world_size: int, device: torch.device, trainable: bool = True,
+    path: str | Path,
+    settings: ParallelSettings,
+    world_size: int,
+    device: torch.device,
+    trainable: bool = True,
     dims=None,
 ):
     """Meta-build a TorchTitan Qwen3, parallelize it over `world_size` processes, and load its HF weights.
     The frozen reference (`trainable=False`) is sharded the same way (pass the policy's `dims` to reuse its
     meshes), without activation checkpointing."""
+    import torchtitan.distributed.parallel_dims as parallel_dims_module
     from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
     from torchtitan.distributed import ParallelDims
-    import torchtitan.distributed.parallel_dims as parallel_dims_module
     from torchtitan.models.qwen3 import parallelize_qwen3
     from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter
 
@@ -137,7 +140,11 @@ def load_hf_sharded(model: torch.nn.Module, adapter, path: str | Path) -> None:
 
 def _one_tensor(hf_name: str, tensor: torch.Tensor, tied: bool) -> dict[str, torch.Tensor]:
     """A one-tensor HF dict the adapter accepts: for tied embeddings it insists on seeing an lm_head entry."""
-    return {hf_name: tensor, "lm_head.weight": tensor} if tied and hf_name != "model.embed_tokens.weight" else {hf_name: tensor}
+    return (
+        {hf_name: tensor, "lm_head.weight": tensor}
+        if tied and hf_name != "model.embed_tokens.weight"
+        else {hf_name: tensor}
+    )
 
 
 class _WithParallelism:

@@ -13,8 +13,8 @@ from functools import partial
 from pathlib import Path
 
 import torch
-from torch.distributed.tensor import DTensor
 from safetensors.torch import load_file, save_file
+from torch.distributed.tensor import DTensor
 from torchtitan.models.common import CosSinRoPE, Embedding, Linear
 from torchtitan.models.common.attention import ScaledDotProductAttention
 from torchtitan.models.common.config_utils import make_ffn_config, make_gqa_config
@@ -45,7 +45,9 @@ def qwen3_config_from_hf(hf: dict, max_seq_len: int | None = None) -> Qwen3Model
     """Translate an HF `Qwen3Config` dict into TorchTitan's `Qwen3Model.Config` (SDPA attention, causal)."""
     rope_parameters = hf.get("rope_parameters") or {}  # transformers 5 layout; 4.x keeps rope_theta/rope_scaling
     if hf.get("rope_scaling") or rope_parameters.get("rope_type", "default") != "default":
-        raise ConfigError("YaRN rope scaling is applied by the inference engine at test time; train from a checkpoint without it")
+        raise ConfigError(
+            "YaRN rope scaling is applied by the inference engine at test time; train from a checkpoint without it"
+        )
     if hf.get("use_sliding_window"):
         raise ConfigError("sliding-window attention is not supported: set use_sliding_window=false in config.json")
     dim, vocab = hf["hidden_size"], hf["vocab_size"]

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from tqdm.auto import tqdm
 
-from canopy.envs.base import AgentFailure, Environment, Episode, EnvironmentFault, Task, Verdict
+from canopy.envs.base import AgentFailure, Environment, EnvironmentFault, Episode, Task, Verdict
 from canopy.rollout.engine import EngineFault, SamplingParams
 
 
@@ -77,7 +77,8 @@ def render_prompt(tokenizer, messages: list[dict]) -> list[int]:
 
 
 def render_observation(tokenizer, observation: str, cap: int, close_turn: bool) -> list[int]:
-    """Ids of `<|im_end|>`? + `\\n<|im_start|>user\\n{obs}<|im_end|>\\n<|im_start|>assistant\\n`, obs capped to `cap` tokens."""
+    """Ids of `<|im_end|>`? + `\\n<|im_start|>user\\n{obs}<|im_end|>\\n<|im_start|>assistant\\n`, obs capped to
+    `cap` tokens."""
     content = tokenizer.encode(observation, add_special_tokens=False)[:cap]
     head = ("<|im_end|>" if close_turn else "") + "\n<|im_start|>user\n"
     tail = "<|im_end|>\n<|im_start|>assistant\n"
@@ -129,11 +130,15 @@ def run_episodes(
                 continue
             ready.sort(key=lambda item: item.index)
             generation_started = time.perf_counter()
-            generations = engine.generate([item.trajectory.token_ids for item in ready], _limits(ready, budget), sampling)
+            generations = engine.generate(
+                [item.trajectory.token_ids for item in ready], _limits(ready, budget), sampling
+            )
             timings["generation"] += time.perf_counter() - generation_started
             for item, generation in zip(ready, generations):
                 in_flight[executor.submit(_advance, item, generation, tokenizer, budget, im_end)] = item.index
-            progress.set_postfix(live=len(in_flight), turn=max((trajectories[i].num_turns for i in in_flight.values()), default=0))
+            progress.set_postfix(
+                live=len(in_flight), turn=max((trajectories[i].num_turns for i in in_flight.values()), default=0)
+            )
     finally:
         progress.close()
         executor.shutdown()

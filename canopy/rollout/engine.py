@@ -59,7 +59,11 @@ class LocalEngine:
     """Batched sampling with a KV cache from an HF `Qwen3ForCausalLM`, in-process."""
 
     def __init__(
-        self, model_path: str | Path, stop_token_ids: list[int], pad_token_id: int, seed: int = 0,
+        self,
+        model_path: str | Path,
+        stop_token_ids: list[int],
+        pad_token_id: int,
+        seed: int = 0,
         rope_scaling: dict | None = None,
     ):
         """`rope_scaling` (e.g. YaRN for the enlarged budget, Appendix I) overrides the HF config's RoPE on load."""
@@ -84,11 +88,15 @@ class LocalEngine:
             params[name].copy_(tensor)
             missing.discard(name)
         if missing:
-            raise RuntimeError(f"weight update to version {version} missed {sorted(missing)[:3]}: engine weights are mixed")
+            raise RuntimeError(
+                f"weight update to version {version} missed {sorted(missing)[:3]}: engine weights are mixed"
+            )
         self.weight_version = version
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], max_new_tokens: list[int], sampling: SamplingParams) -> list[Generation]:
+    def generate(
+        self, prompts: list[list[int]], max_new_tokens: list[int], sampling: SamplingParams
+    ) -> list[Generation]:
         if not prompts:
             return []
         batch = len(prompts)

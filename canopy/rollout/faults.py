@@ -25,10 +25,17 @@ def check_systemic_faults(trajectories: list[Trajectory], max_fraction: float, w
     reasons = Counter(t.quarantine for t in quarantined)
     reason, count = reasons.most_common(1)[0]
     if len(quarantined) > max_fraction * len(trajectories):
-        why = f"{len(quarantined)} of {len(trajectories)} episodes of {what} were quarantined (> env.max_quarantine_fraction={max_fraction})"
+        why = (
+            f"{len(quarantined)} of {len(trajectories)} episodes of {what} were quarantined "
+            f"(> env.max_quarantine_fraction={max_fraction})"
+        )
     else:
-        per_worker = Counter((t.quarantine, t.fault.worker) for t in quarantined if getattr(t.fault, "worker", None) is not None)
-        everywhere = [r for r in reasons if workers and workers >= 2 and all(per_worker[r, w] >= REPEATS for w in range(workers))]
+        per_worker = Counter(
+            (t.quarantine, t.fault.worker) for t in quarantined if getattr(t.fault, "worker", None) is not None
+        )
+        everywhere = [
+            r for r in reasons if workers and workers >= 2 and all(per_worker[r, w] >= REPEATS for w in range(workers))
+        ]
         if not everywhere:
             return
         reason, count = everywhere[0], reasons[everywhere[0]]
@@ -37,5 +44,6 @@ def check_systemic_faults(trajectories: list[Trajectory], max_fraction: float, w
     detail = " ".join(first.fault.detail.split()) if first.fault is not None and first.fault.detail else "(no detail)"
     raise SystemicFaultError(
         f"the environment's serving layer is failing, not the agent: {why}; {count} of them {reason}; first: {detail}. "
-        "Fix the environment's setup (quarantine is for rare faults); raise env.max_quarantine_fraction only for faults that are truly exogenous"
+        "Fix the environment's setup (quarantine is for rare faults); raise env.max_quarantine_fraction only for "
+        "faults that are truly exogenous"
     )

@@ -101,7 +101,12 @@ def init_custom_process_group(backend: str, init_method: str, world_size: int, r
     store, rank, world_size = next(c10d.rendezvous(init_method, rank, world_size, timeout=timeout))
     store.set_timeout(timeout)
     group, _ = c10d._new_process_group_helper(
-        world_size, rank, [], c10d.Backend(backend), c10d.PrefixStore(group_name, store), group_name=group_name,
+        world_size,
+        rank,
+        [],
+        c10d.Backend(backend),
+        c10d.PrefixStore(group_name, store),
+        group_name=group_name,
         timeout=timeout,
     )
     c10d._world.pg_group_ranks[group] = {i: i for i in range(world_size)}
@@ -113,16 +118,35 @@ def broadcast_from_trainer(tensor: torch.Tensor, group) -> None:
 
 
 def launch_command(
-    settings: SGLangSettings, model_path: str | Path, index: int, context_length: int | None,
-    rope_scaling: dict | None, seed: int,
+    settings: SGLangSettings,
+    model_path: str | Path,
+    index: int,
+    context_length: int | None,
+    rope_scaling: dict | None,
+    seed: int,
 ) -> tuple[list[str], dict[str, str]]:
     """argv and extra environment of the `index`-th server (port and GPUs counted up from the base ones)."""
     s = settings
     argv = [
-        s.python, "-m", "sglang.launch_server", "--model-path", str(model_path), "--host", "127.0.0.1",
-        "--port", str(s.base_port + index), "--tp-size", str(s.tp_size),
-        "--base-gpu-id", str(s.base_gpu_id + index * s.tp_size),
-        "--mem-fraction-static", str(s.mem_fraction), "--weight-version", "0", "--random-seed", str(seed + index),
+        s.python,
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        str(model_path),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(s.base_port + index),
+        "--tp-size",
+        str(s.tp_size),
+        "--base-gpu-id",
+        str(s.base_gpu_id + index * s.tp_size),
+        "--mem-fraction-static",
+        str(s.mem_fraction),
+        "--weight-version",
+        "0",
+        "--random-seed",
+        str(seed + index),
     ]
     env = {"SGLANG_RETURN_ORIGINAL_LOGPROB": "false"}  # logprobs of the temperature-scaled distribution
     if context_length is not None:
@@ -429,10 +453,19 @@ class SGLangEngine:
         world_size = 1 + sum(server.tp_size for server in self.servers)
         with ThreadPoolExecutor(len(self.servers)) as requests:
             replies = [
-                requests.submit(self._control, server, "/init_weights_update_group", {
-                    "master_address": s.sync_master_addr, "master_port": s.sync_master_port, "rank_offset": offset,
-                    "world_size": world_size, "group_name": GROUP_NAME, "backend": s.sync_backend,
-                })
+                requests.submit(
+                    self._control,
+                    server,
+                    "/init_weights_update_group",
+                    {
+                        "master_address": s.sync_master_addr,
+                        "master_port": s.sync_master_port,
+                        "rank_offset": offset,
+                        "world_size": world_size,
+                        "group_name": GROUP_NAME,
+                        "backend": s.sync_backend,
+                    },
+                )
                 for server, offset in zip(self.servers, offsets)
             ]
             init_method = f"tcp://{s.sync_master_addr}:{s.sync_master_port}"
