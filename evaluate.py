@@ -18,7 +18,7 @@ from canopy.config import ConfigError, validate, validate_eval
 from canopy.envs.base import SystemicFaultError
 from canopy.eval.pilot import format_pilot, pilot_report
 from canopy.eval.runner import budget_label, checkpoint_weights, evaluation, sample_runs, write_results
-from canopy.plots import plot_budget_transfer, plot_coverage
+from canopy.tools.plots import plot_budget_transfer, plot_coverage
 
 
 def train_view(cfg: DictConfig) -> DictConfig:

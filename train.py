@@ -15,8 +15,8 @@ from canopy.envs.base import SystemicFaultError
 from canopy.modules.canopy_module import silence_benign_warnings
 from canopy.modules.checkpoint import AtomicCheckpoint
 from canopy.modules.policy import save_hf_checkpoint
-from canopy.plots import training_plots
-from canopy.report import success_by_tier, write_summary
+from canopy.tools.plots import training_plots
+from canopy.tools.summary import success_by_tier, write_summary
 
 
 @hydra.main(config_path="conf", config_name="train", version_base="1.3")

@@ -18,8 +18,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from canopy.plots import plot_ablations, plot_drift  # noqa: E402
-from canopy.tb import read_scalars  # noqa: E402
+from canopy.tools.plots import plot_ablations, plot_drift  # noqa: E402
+from canopy.tools.tb_scalars import read_scalars  # noqa: E402
 
 VARIANTS = ["recipe"] + sorted(p.stem for p in (ROOT / "conf" / "ablation").glob("*.yaml"))
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from canopy.soak import soak, soak_line  # noqa: E402
+from canopy.tools.fault_soak import soak, soak_line  # noqa: E402
 
 
 def main() -> None:

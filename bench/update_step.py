@@ -17,7 +17,7 @@ import torch
 from canopy.modules.canopy_module import token_logprobs
 from canopy.modules.policy import load_policy
 from canopy.objective import canopy_loss
-from canopy.tiny_checkpoint import build_tiny_checkpoint
+from canopy.tools.tiny_model import build_tiny_checkpoint
 
 
 def update(policy, input_ids, mask, ref_logprobs, advantages, recompute_old: bool) -> None:

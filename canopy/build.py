@@ -15,7 +15,7 @@ from canopy.modules.parallel import ParallelSettings
 from canopy.rollout.agent_loop import Budget
 from canopy.rollout.engine import LocalEngine, SamplingParams
 from canopy.rollout.sglang_engine import SGLangEngine, SGLangSettings
-from canopy.tiny_checkpoint import build_tiny_checkpoint
+from canopy.tools.tiny_model import build_tiny_checkpoint
 
 
 def ensure_model(cfg: DictConfig) -> str:

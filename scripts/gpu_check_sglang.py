@@ -27,7 +27,7 @@ from transformers import Qwen3ForCausalLM
 
 from canopy.rollout.engine import SamplingParams
 from canopy.rollout.sglang_engine import SGLangEngine, SGLangSettings
-from canopy.tiny_checkpoint import build_tiny_checkpoint
+from canopy.tools.tiny_model import build_tiny_checkpoint
 
 FAILED = []
 

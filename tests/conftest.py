@@ -2,7 +2,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from canopy.modules.canopy_module import silence_benign_warnings
-from canopy.tiny_checkpoint import build_tiny_checkpoint
+from canopy.tools.tiny_model import build_tiny_checkpoint
 
 
 @pytest.fixture(autouse=True)

@@ -17,7 +17,7 @@ from canopy.envs.pool import EnvironmentPool, PoolSettings
 from canopy.eval.metrics import summarize
 from canopy.rollout.agent_loop import Budget, run_episodes
 from canopy.rollout.engine import Generation, SamplingParams
-from canopy.tiny_checkpoint import build_byte_tokenizer
+from canopy.tools.tiny_model import build_byte_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 PYTHON = REPO / ".venv-appworld" / "bin" / "python"

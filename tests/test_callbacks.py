@@ -16,13 +16,13 @@ from canopy.callbacks import (
     QuarantineStats,
     build_callbacks,
 )
-from canopy.callbacks.audit import OffPolicyError
+from canopy.callbacks.on_policy_audit import OffPolicyError
 from canopy.coverage import signal_coverage
 from canopy.datamodules.rollout import rollout_metrics, score_groups
 from canopy.envs.base import Task
 from canopy.envs.embedded import EmbeddedEnvironment
 from canopy.rollout.engine import LocalEngine
-from canopy.tb import read_scalars
+from canopy.tools.tb_scalars import read_scalars
 from tests.test_config import config
 from tests.test_datamodule import trajectory
 from tests.test_train import train

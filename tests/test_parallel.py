@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from canopy.tb import read_scalars
+from canopy.tools.tb_scalars import read_scalars
 from tests.parallel_worker import run_ranks
 from tests.test_datamodule import datamodule
 from tests.test_train import train

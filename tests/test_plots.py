@@ -4,7 +4,7 @@ import matplotlib.pyplot as plt
 import pytest
 from torch.utils.tensorboard import SummaryWriter
 
-from canopy.plots import (
+from canopy.tools.plots import (
     DPI,
     plot_ablations,
     plot_budget_transfer,

@@ -139,7 +139,7 @@ def test_embedded_env_behind_the_pool_matches_in_process(tokenizer):
 @pytest.mark.slow
 def test_fault_soak_misclassifies_and_loses_nothing():
     from canopy.envs.fault_injection import INFRA_FAULTS
-    from canopy.soak import AGENT_FAULTS, soak, soak_line
+    from canopy.tools.fault_soak import AGENT_FAULTS, soak, soak_line
 
     counts, rows = soak(episodes=150, workers=6, fault_rate=0.7, seed=1)
     print(soak_line(counts))

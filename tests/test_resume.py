@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from canopy.tb import read_scalars
+from canopy.tools.tb_scalars import read_scalars
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 8

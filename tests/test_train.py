@@ -10,8 +10,8 @@ import pytest
 from transformers import AutoTokenizer, Qwen3ForCausalLM
 
 from canopy.build import build_datamodule
-from canopy.report import success_by_tier
-from canopy.tb import read_scalars
+from canopy.tools.summary import success_by_tier
+from canopy.tools.tb_scalars import read_scalars
 from tests.test_config import config
 
 ROOT = Path(__file__).resolve().parents[1]

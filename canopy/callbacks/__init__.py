@@ -4,11 +4,11 @@ coverage logging (Eq. 4), entropy monitoring (Fig. 4), budget-transfer evaluatio
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
-from canopy.callbacks.audit import OnPolicyAudit
 from canopy.callbacks.budget_transfer import BudgetTransferEval
-from canopy.callbacks.coverage import CoverageLogger
-from canopy.callbacks.entropy import EntropyMonitor
-from canopy.callbacks.quarantine import QuarantineStats
+from canopy.callbacks.coverage_logger import CoverageLogger
+from canopy.callbacks.entropy_monitor import EntropyMonitor
+from canopy.callbacks.on_policy_audit import OnPolicyAudit
+from canopy.callbacks.quarantine_stats import QuarantineStats
 
 __all__ = [
     "BudgetTransferEval",

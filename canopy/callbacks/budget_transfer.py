@@ -10,7 +10,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from canopy.build import build_budget, build_engine, build_sampling
 from canopy.eval.runner import budget_label, evaluation, load_budget, sample_runs, with_budget, write_results
-from canopy.plots import plot_budget_transfer
+from canopy.tools.plots import plot_budget_transfer
 
 
 class BudgetTransferEval(L.Callback):

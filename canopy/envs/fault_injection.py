@@ -1,4 +1,4 @@
-"""Serving-layer faults injected from inside an environment worker, for the fault soak (`canopy.soak`).
+"""Serving-layer faults injected from inside an environment worker, for the fault soak (`canopy.tools.fault_soak`).
 
 A task whose spec carries {"inject": kind, "phase": start | step | verdict} makes its worker fail that way at
 that point: killed by SIGKILL (as by kill -9 or the OOM killer), stopped (it hangs), its environment code past

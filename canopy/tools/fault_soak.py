@@ -19,7 +19,7 @@ from canopy.envs.fault_injection import INFRA_FAULTS
 from canopy.envs.pool import EnvironmentPool, PoolSettings
 from canopy.rollout.agent_loop import Budget, Trajectory, run_episodes
 from canopy.rollout.engine import Generation, SamplingParams
-from canopy.tiny_checkpoint import build_byte_tokenizer
+from canopy.tools.tiny_model import build_byte_tokenizer
 
 AGENT_CODE = {
     "agent_loop": "while True:\n    pass",

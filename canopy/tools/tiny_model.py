@@ -8,7 +8,7 @@ independent of the state. The base model learns the reply format, as a real base
 and write code, but not which command solves a task: that is what RL has to find, and the base policy's
 success stays at the random-policy rates.
 
-    python -m canopy.tiny_checkpoint OUT_DIR [--hidden-size 64 --layers 2 --format-warmup-steps 0 --seed 0]
+    python -m canopy.tools.tiny_model OUT_DIR [--hidden-size 64 --layers 2 --format-warmup-steps 0 --seed 0]
 """
 
 import argparse
