@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from canopy.modules.canopy_module import token_logprobs
+from canopy.modules.logprobs import token_logprobs
 from canopy.modules.policy import load_policy
 from canopy.objective import canopy_loss
 from canopy.tools.tiny_model import build_tiny_checkpoint

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from canopy.modules.canopy_module import token_logprobs
+from canopy.modules.logprobs import token_logprobs
 from canopy.modules.parallel import ParallelSettings, build_parallel_policy, data_parallel_rank
 from canopy.modules.policy import load_policy, unwrap
 from canopy.objective import canopy_loss

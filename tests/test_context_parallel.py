@@ -20,7 +20,8 @@ from torchtitan.models.common.attention import ScaledDotProductAttention
 
 from canopy.config import ConfigError
 from canopy.datamodules.rollout import RolloutBatch
-from canopy.modules.canopy_module import CanopyModule, sequence_inputs
+from canopy.modules.canopy_module import CanopyModule
+from canopy.modules.logprobs import sequence_inputs
 from canopy.modules.parallel import ParallelSettings, all_reduce_sum, build_parallel_policy, data_parallel_rank
 from canopy.modules.policy import load_policy, unwrap
 from canopy.objective import canopy_loss
@@ -117,7 +118,7 @@ def test_sequence_inputs_shard_whole_loss_terms_head_tail():
         captured.update(balancer=balancer, widths={b.shape[1] for b in buffers})
         return tuple(b[:, [0, 1, 2, 3, 4, 5, 18, 19, 20, 21, 22, 23]] for b in buffers), None  # rank 0 of 2
 
-    with mock.patch("canopy.modules.canopy_module.cp_shard", fake_cp_shard):
+    with mock.patch("canopy.modules.logprobs.cp_shard", fake_cp_shard):
         local = sequence_inputs(batch, mesh, ref_logprobs=torch.ones(6, 21))
     assert captured == {"balancer": "headtail", "widths": {24}}  # 21 padded to 24 = 2 x cp x 6
     positions = local["positions"][0]

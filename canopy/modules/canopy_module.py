@@ -5,14 +5,11 @@ import warnings
 
 import lightning as L
 import torch
-import torch.distributed as dist
 from lightning.fabric.utilities.apply_func import move_data_to_device
-from torch.distributed.nn.functional import all_reduce
-from torch.distributed.tensor import DTensor, Shard
-from torchtitan.distributed.context_parallel import cp_shard
 
 from canopy.config import CP_NEEDS_GPU, CP_SEQ_MEAN, ConfigError
 from canopy.datamodules.rollout import RolloutBatch
+from canopy.modules.logprobs import padded_width, sequence_inputs, token_logprobs
 from canopy.modules.parallel import (
     ParallelSettings,
     all_reduce_max,
@@ -38,101 +35,6 @@ def silence_benign_warnings() -> None:
     """Ignore the three benign warnings every run would print (matched by their exact text, nothing broader)."""
     for message in BENIGN_WARNINGS:
         warnings.filterwarnings("ignore", message=message)
-
-
-def sequence_inputs(batch: RolloutBatch, cp_mesh=None, **per_token: torch.Tensor) -> dict[str, torch.Tensor]:
-    """A micro-batch as [B, T] tensors aligned per position t: the token there, the target it predicts
-    (`input_ids[t+1]`), that target's action mask and engine logprob, the position, and `per_token` extras that
-    are already aligned (reference / old logprobs). The last position predicts nothing and is masked out.
-
-    Aligned before any sharding, each position carries everything its loss term needs. With context parallelism
-    (`cp_mesh`), T is padded to a multiple of 2 x cp and every tensor is split along the sequence by TorchTitan's
-    head-tail balanced `cp_shard`, as its trainer splits inputs, labels and positions.
-    """
-    ids = batch.input_ids
-    width = padded_width(ids.shape[1], cp_mesh)
-
-    def aligned(x: torch.Tensor, shift: int) -> torch.Tensor:  # x[:, t + shift] at position t, zeros past the end
-        x = x[:, shift:]
-        return torch.cat([x, x.new_zeros(x.shape[0], width - x.shape[1])], dim=1)
-
-    inputs = {
-        "tokens": aligned(ids, 0),
-        "targets": aligned(ids, 1),
-        "action_mask": aligned(batch.action_mask, 1),
-        "engine_logprobs": aligned(batch.engine_logprobs, 1),
-        "positions": torch.arange(width, device=ids.device).expand(ids.shape[0], -1),
-        **{name: aligned(value, 0) for name, value in per_token.items()},
-    }
-    if cp_mesh is None:
-        return inputs
-    sharded, _ = cp_shard(cp_mesh, tuple(inputs.values()), None, "headtail")
-    return dict(zip(inputs, sharded))
-
-
-def padded_width(width: int, cp_mesh) -> int:
-    """`width` rounded up to a multiple of 2 x cp: head-tail balancing gives each CP rank two equal chunks."""
-    multiple = 1 if cp_mesh is None else 2 * cp_mesh.size()
-    return -(-width // multiple) * multiple
-
-
-def token_logprobs(
-    logits: torch.Tensor, targets: torch.Tensor, temperature: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-probability of each position's target and the entropy of its distribution, at the sampling temperature.
-
-    `logits` [B, T, V] and `targets` [B, T] are aligned (see `sequence_inputs`); outputs are [B, T]. Scoring at
-    the engine's temperature makes the trainer's pi_theta the distribution the rollouts were actually drawn from.
-    Logits that tensor parallelism leaves sharded over the vocabulary go to `vocab_parallel_token_logprobs`.
-    """
-    if isinstance(logits, DTensor):
-        return vocab_parallel_token_logprobs(logits, targets, temperature)
-    log_probs = torch.log_softmax(logits.float() / temperature, dim=-1)
-    chosen = log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    entropy = -(log_probs.exp() * log_probs).sum(-1)
-    return chosen, entropy
-
-
-def vocab_parallel_token_logprobs(
-    logits: DTensor, targets: torch.Tensor, temperature: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`token_logprobs` for logits column-sharded over the vocabulary (TP's output projection, `Shard(-1)`).
-
-    Each rank keeps its [B, T, V/tp] slice: log-softmax = logit - max - log sum exp, with the max and the sum of
-    exponentials all-reduced over the TP group, and the target's log-probability (pi_theta of Eq. 6-8) and the
-    entropy summed from the shards. Exact and differentiable, without building the full [B, T, V] logits.
-    Gradients: every shard uses the sum of exponentials, so its backward sums over the group too; the outputs
-    feed the same loss on every TP rank, so theirs is the identity.
-    """
-    if logits.placements != (Shard(logits.ndim - 1),):
-        raise ValueError(f"expected logits sharded over the vocabulary by TP, got placements {logits.placements}")
-    group = logits.device_mesh.get_group()
-    local = logits.to_local().float() / temperature
-    width = -(-logits.shape[-1] // dist.get_world_size(group))  # DTensor shards like torch.chunk
-    shift = local.detach().amax(-1, keepdim=True)  # any shift gives the same log-softmax and gradient
-    dist.all_reduce(shift, op=dist.ReduceOp.MAX, group=group)
-    shifted = local - shift
-    log_probs = shifted - all_reduce(shifted.exp().sum(-1, keepdim=True), group=group).log()
-    targets = targets - dist.get_rank(group) * width
-    owned = (targets >= 0) & (targets < local.shape[-1])
-    picked = log_probs.gather(-1, targets.clamp(0, local.shape[-1] - 1).unsqueeze(-1)).squeeze(-1)
-    partials = torch.stack([torch.where(owned, picked, 0.0), (log_probs.exp() * log_probs).sum(-1)])
-    chosen, neg_entropy = _SumOverGroup.apply(partials, group)
-    return chosen, -neg_entropy
-
-
-class _SumOverGroup(torch.autograd.Function):
-    """All-reduce sum over the TP group whose backward is the identity: for results every rank uses alike."""
-
-    @staticmethod
-    def forward(ctx, tensor: torch.Tensor, group) -> torch.Tensor:
-        tensor = tensor.clone()
-        dist.all_reduce(tensor, group=group)
-        return tensor
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return grad, None
 
 
 class CanopyModule(L.LightningModule):
@@ -308,6 +210,29 @@ class CanopyModule(L.LightningModule):
         return sums
 
     def training_step(self, dataloader_iter):
+        """Section 3.3: a fresh rollout batch, the frozen reference's logprobs, ONE optimizer step on Eq. 8, then
+        the new weights to the engine, so that the next batch is sampled from them (strictly on-policy)."""
+        batch = self._fresh_batch(dataloader_iter)
+        rows = self._data_parallel_rows(batch)
+        micro_batches = self._micro_batches(rows)
+
+        started = time.perf_counter()
+        ref_logprobs = self._logprobs_no_grad(self.reference, rows, micro_batches)
+        timings = {"time/reference": time.perf_counter() - started}
+
+        started = time.perf_counter()
+        metrics = self._optimizer_step(rows, micro_batches, ref_logprobs)
+        timings["time/update"] = time.perf_counter() - started
+
+        started = time.perf_counter()
+        self.weight_version += 1
+        self.trainer.datamodule.sync_weights(self.iter_hf_weights(), self.weight_version)
+        timings["time/weight_sync"] = time.perf_counter() - started
+
+        self._log_step(batch, metrics, timings)
+
+    def _fresh_batch(self, dataloader_iter) -> RolloutBatch:
+        """The batch generated for this step, on this device; one sampled by other weights is refused."""
         batch, _, _ = next(dataloader_iter)
         batch = move_data_to_device(batch, self.device)  # a `dataloader_iter` step gets its batch as generated
         if batch.weight_version != self.weight_version:
@@ -315,25 +240,22 @@ class CanopyModule(L.LightningModule):
                 f"rollout batch has weight version {batch.weight_version} but the policy is at {self.weight_version}: "
                 "a stale batch would break strict on-policy training"
             )
-        h = self.hparams
-        # every rank holds the whole batch; each data-parallel shard trains on its own rows (its CP ranks on
-        # their own positions of them), with the batch-wide action-token count as the denominator so that
-        # summed gradients are Eq. 8 exactly
+        return batch
+
+    def _data_parallel_rows(self, batch: RolloutBatch) -> RolloutBatch:
+        """This data-parallel shard's episodes. Every rank holds the whole batch; each shard trains on its own rows
+        (its CP ranks on their own positions of them), with the batch-wide action-token count as the denominator,
+        so that the summed gradients are Eq. 8 exactly."""
         dp_rank, dp_size = data_parallel_rank(self.parallel_dims)
-        full_batch = batch
-        if len(full_batch.lengths) < dp_size * h.minibatches_per_step:
-            raise RuntimeError(
-                f"{len(full_batch.lengths)} surviving episodes cannot feed {dp_size} data-parallel shards"
-            )
-        batch = batch.select(torch.arange(len(batch.lengths))[dp_rank::dp_size]) if dp_size > 1 else batch
-        micro_batches = self._micro_batches(batch)
+        if len(batch.lengths) < dp_size * self.hparams.minibatches_per_step:
+            raise RuntimeError(f"{len(batch.lengths)} surviving episodes cannot feed {dp_size} data-parallel shards")
+        return batch.select(torch.arange(len(batch.lengths))[dp_rank::dp_size]) if dp_size > 1 else batch
 
-        started = time.perf_counter()
-        ref_logprobs = self._logprobs_no_grad(self.reference, batch, micro_batches)
-        timings = {"time/reference": time.perf_counter() - started}
-
-        started = time.perf_counter()
-        # Off-policy ablation only: the behaviour policy's logprobs need their own forward pass before any update.
+    def _optimizer_step(self, batch: RolloutBatch, micro_batches, ref_logprobs: torch.Tensor) -> dict[str, float]:
+        """One optimizer step over the whole batch (micro-batches only accumulate gradients); this rank's metric
+        partials and the gradient norm. Only the half_minibatch ablation splits the batch into several updates,
+        and only it needs the behaviour policy's logprobs from a forward pass before the first one."""
+        h = self.hparams
         old_logprobs = (
             None if h.minibatches_per_step == 1 else self._logprobs_no_grad(self.policy, batch, micro_batches)
         )
@@ -354,26 +276,20 @@ class CanopyModule(L.LightningModule):
             # Lightning counts a global step per LightningOptimizer.step(): one per rollout batch (the last update).
             (optimizer.step() if last else optimizer.optimizer.step())
             optimizer.zero_grad()
-        timings["time/update"] = time.perf_counter() - started
-
-        started = time.perf_counter()
-        self.weight_version += 1
-        self.trainer.datamodule.sync_weights(self.iter_hf_weights(), self.weight_version)
-        timings["time/weight_sync"] = time.perf_counter() - started
-
         logged = {f"actor/{k}": v for k, v in all_reduce_sum(sums, self.parallel_dims).items()}
         logged["actor/grad_norm"] = sum(grad_norms) / len(grad_norms)
         logged["actor/lr"] = optimizer.param_groups[0]["lr"]
-        logged["actor/action_tokens"] = float(full_batch.num_action_tokens)
-        logged.update(full_batch.metrics)
-        logged.update(timings)
-        self.log_dict(logged, on_step=True, on_epoch=False, batch_size=len(full_batch.lengths))
+        return logged
+
+    def _log_step(self, batch: RolloutBatch, metrics: dict[str, float], timings: dict[str, float]) -> None:
+        """The step's actor metrics, the batch's rollout metrics and the phase timings; success and KL on the bar."""
+        logged = {**metrics, "actor/action_tokens": float(batch.num_action_tokens), **batch.metrics, **timings}
+        self.log_dict(logged, on_step=True, on_epoch=False, batch_size=len(batch.lengths))
         self.log_dict(
             {"success": logged.get("reward/success", 0.0), "kl": logged["actor/kl"]},
             on_step=True,
             on_epoch=False,
             prog_bar=True,
             logger=False,
-            batch_size=len(full_batch.lengths),
+            batch_size=len(batch.lengths),
         )
-        return None
