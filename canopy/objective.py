@@ -3,31 +3,87 @@
 import torch
 
 
-def group_advantages(rewards: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """Standardized within-group advantages for one group (Eq. 3, Appendix G ordering).
+def step_advantages(
+    rewards: torch.Tensor, quarantined: torch.Tensor, quarantine_as_failure: bool = False
+) -> torch.Tensor:
+    """Quarantine, then Eq. 3, for all of a step's groups at once: [G, n] rewards and quarantine flags -> [G, n].
 
-    Mean and POPULATION std (divide by n) are taken over the valid (non-quarantined) entries only;
-    quarantined entries get 0. A degenerate group (all valid rewards equal, or fewer than two valid)
-    gives all zeros. A lone success among n valid gets exactly sqrt(n-1) (Appendix B).
+    Quarantine precedes scoring (Appendix G): a quarantined episode leaves its group before the group's mean and
+    POPULATION std (divide by n) are taken, and gets advantage 0; with `quarantine_as_failure` (the sensitivity
+    ablation) it stays in the group with reward 0 instead. A degenerate group (all rewards equal, or fewer than
+    two left) gives all zeros, never NaN. A lone success among n gets exactly sqrt(n-1) (Appendix B).
     """
-    rewards = rewards.to(torch.float64)
-    valid = valid.to(torch.bool)
-    advantages = torch.zeros_like(rewards)
-    kept = rewards[valid]
-    if kept.numel() < 2:
-        return advantages.to(torch.float32)
-    centered = kept - kept.mean()
-    std = centered.pow(2).mean().sqrt()
-    if std <= 1e-12 * max(1.0, kept.abs().max().item()):
-        return advantages.to(torch.float32)
-    advantages[valid] = centered / std
+    quarantined = quarantined.to(torch.bool)
+    valid = torch.ones_like(quarantined) if quarantine_as_failure else ~quarantined
+    rewards = torch.where(quarantined, 0.0, rewards.to(torch.float64))
+    count = valid.sum(-1, keepdim=True).clamp_min(1)
+    mean = torch.where(valid, rewards, 0.0).sum(-1, keepdim=True) / count
+    centered = torch.where(valid, rewards - mean, 0.0)
+    std = (centered.pow(2).sum(-1, keepdim=True) / count).sqrt()
+    scale = torch.where(valid, rewards.abs(), 0.0).amax(-1, keepdim=True).clamp_min(1.0)
+    informative = (valid.sum(-1, keepdim=True) >= 2) & (std > 1e-12 * scale)
+    advantages = torch.where(informative & valid, centered / torch.where(informative, std, 1.0), 0.0)
     return advantages.to(torch.float32)
+
+
+def group_advantages(rewards: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Eq. 3 for one group: `step_advantages` of a single group whose invalid entries are its quarantined ones."""
+    return step_advantages(rewards[None], ~valid.to(torch.bool)[None])[0]
 
 
 def k3_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
     """Schulman's k3 estimator of KL(pi_theta || pi_ref) per token: exp(ref-lp) - (ref-lp) - 1 >= 0."""
     log_ratio = ref_logprobs - logprobs
     return torch.exp(log_ratio) - log_ratio - 1.0
+
+
+def token_objective(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    *,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    kl_coef: float = 1e-4,
+) -> dict[str, torch.Tensor]:
+    """The per-token objective, [B, T] (advantages [B]): the ratio of Eq. 6, the clipped surrogate S of Eq. 7
+    and the k3 KL anchor; `term` = -S + beta * k3 is what Eq. 8 aggregates."""
+    log_ratio = logprobs - old_logprobs
+    ratio = torch.exp(log_ratio)
+    adv = advantages.to(logprobs.dtype).unsqueeze(-1)
+    unclipped = ratio * adv
+    clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high) * adv
+    surrogate = torch.minimum(unclipped, clipped)
+    kl = k3_kl(logprobs, ref_logprobs)
+    return {
+        "term": -surrogate + kl_coef * kl,
+        "surrogate": surrogate,
+        "kl": kl,
+        "log_ratio": log_ratio,
+        "clip_binds": unclipped > clipped,  # the min picks the clipped branch, either side
+    }
+
+
+def aggregation_weights(
+    action_mask: torch.Tensor,
+    aggregation: str = "token-mean",
+    num_action_tokens: float | None = None,
+    num_sequences: float | None = None,
+) -> torch.Tensor:
+    """Eq. 8's weight of each token's term, [B, T]. "token-mean": M_it / N, N the action tokens of the whole batch
+    (pass the batch-wide count when micro-batching, so that accumulated gradients equal the full-batch one);
+    "seq-mean" (ablation): M_it / |o_i| / the number of sequences (`num_sequences` plays the same role)."""
+    mask = action_mask if action_mask.is_floating_point() else action_mask.float()
+    if aggregation == "token-mean":
+        denom = mask.sum() if num_action_tokens is None else torch.as_tensor(num_action_tokens, dtype=mask.dtype)
+        return mask / denom.clamp_min(1.0)
+    if aggregation == "seq-mean":
+        per_seq_len = mask.sum(-1, keepdim=True).clamp_min(1.0)
+        has_actions = (mask.sum(-1, keepdim=True) > 0).to(mask.dtype)
+        n_seq = has_actions.sum() if num_sequences is None else torch.as_tensor(num_sequences, dtype=mask.dtype)
+        return mask / per_seq_len / n_seq.clamp_min(1.0)
+    raise ValueError(f"unknown loss aggregation {aggregation!r}: use 'token-mean' or 'seq-mean'")
 
 
 def canopy_loss(
@@ -44,46 +100,21 @@ def canopy_loss(
     num_action_tokens: float | None = None,
     num_sequences: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """CANOPY loss, Eq. 8: (1/N) sum_i sum_t M_it [ -S_it + beta * k3_it ].
-
-    Tensors are [B, T]; advantages are [B]. S_it is the clipped surrogate of Eq. 7 with the ratio of Eq. 6.
-    "token-mean" divides by N, the number of action tokens; pass the batch-wide count as
-    `num_action_tokens` when micro-batching so that accumulated gradients equal the full-batch gradient.
-    "seq-mean" (ablation) averages per sequence, then over sequences (`num_sequences` plays the same role).
-    Metrics are sums-normalized the same way, so they also accumulate exactly over micro-batches.
-    """
+    """CANOPY loss, Eq. 8: (1/N) sum_i sum_t M_it [ -S_it + beta * k3_it ] (`token_objective` weighted by
+    `aggregation_weights`). Metrics are token-level diagnostics pooled over action tokens (Appendix C) and
+    normalized the same way, so they also accumulate exactly over micro-batches."""
     mask = action_mask.to(logprobs.dtype)
-    log_ratio = logprobs - old_logprobs
-    ratio = torch.exp(log_ratio)
-    adv = advantages.to(logprobs.dtype).unsqueeze(-1)
-    unclipped = ratio * adv
-    clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high) * adv
-    surrogate = torch.minimum(unclipped, clipped)
-    kl = k3_kl(logprobs, ref_logprobs)
-    per_token = -surrogate + kl_coef * kl
-
-    if aggregation == "token-mean":
-        denom = mask.sum() if num_action_tokens is None else torch.as_tensor(num_action_tokens, dtype=mask.dtype)
-        weights = mask / denom.clamp_min(1.0)
-    elif aggregation == "seq-mean":
-        per_seq_len = mask.sum(-1, keepdim=True).clamp_min(1.0)
-        has_actions = (mask.sum(-1, keepdim=True) > 0).to(mask.dtype)
-        n_seq = has_actions.sum() if num_sequences is None else torch.as_tensor(num_sequences, dtype=mask.dtype)
-        weights = mask / per_seq_len / n_seq.clamp_min(1.0)
-    else:
-        raise ValueError(f"unknown loss aggregation {aggregation!r}: use 'token-mean' or 'seq-mean'")
-    loss = (per_token * weights).sum()
-
+    terms = token_objective(
+        logprobs, old_logprobs, ref_logprobs, advantages, clip_low=clip_low, clip_high=clip_high, kl_coef=kl_coef
+    )
+    weights = aggregation_weights(mask, aggregation, num_action_tokens, num_sequences)
+    loss = (terms["term"] * weights).sum()
     with torch.no_grad():
-        # token-level diagnostics, always pooled over action tokens (Appendix C)
-        token_weights = mask / (
-            mask.sum() if num_action_tokens is None else torch.as_tensor(num_action_tokens, dtype=mask.dtype)
-        ).clamp_min(1.0)
-        clip_binds = (unclipped > clipped).to(mask.dtype)  # the min picks the clipped branch, either side
+        token_weights = aggregation_weights(mask, "token-mean", num_action_tokens)
         metrics = {
-            "pg_clipfrac": (clip_binds * token_weights).sum(),
-            "ppo_kl": (-log_ratio * token_weights).sum(),
-            "kl": (kl * token_weights).sum(),
-            "pg_loss": (-surrogate * weights).sum(),
+            "pg_clipfrac": (terms["clip_binds"].to(mask.dtype) * token_weights).sum(),
+            "ppo_kl": (-terms["log_ratio"] * token_weights).sum(),
+            "kl": (terms["kl"] * token_weights).sum(),
+            "pg_loss": (-terms["surrogate"] * weights).sum(),
         }
     return loss, metrics

@@ -18,7 +18,7 @@ from canopy.callbacks import (
 )
 from canopy.callbacks.on_policy_audit import OffPolicyError
 from canopy.coverage import signal_coverage
-from canopy.datamodules.rollout import rollout_metrics, score_groups
+from canopy.datamodules.rollout import StepStats, rollout_metrics, score_groups
 from canopy.envs.base import Task
 from canopy.envs.embedded import EmbeddedEnvironment
 from canopy.rollout.engine import LocalEngine
@@ -35,10 +35,10 @@ class Module(SimpleNamespace):
         self.logged.update(metrics)
 
 
-def step(metrics=None, batch_metrics=None, minibatches=1, global_step=5):
+def step(metrics=None, batch_metrics=None, minibatches=1, global_step=5, stats=None):
     trainer = SimpleNamespace(global_step=global_step, callback_metrics=metrics or {}, is_global_zero=True)
     module = Module(hparams=SimpleNamespace(minibatches_per_step=minibatches), logged={})
-    return trainer, module, SimpleNamespace(metrics=batch_metrics or {})
+    return trainer, module, SimpleNamespace(metrics=batch_metrics or {}, stats=stats)
 
 
 def test_on_policy_audit_raises_on_non_zero_clipfrac():
@@ -68,17 +68,10 @@ def test_entropy_monitor_warns_on_collapse_and_fast_fall():
 
 def test_quarantine_stats_totals_and_warning():
     stats = QuarantineStats(warn_rate=0.1)
-    trainer, module, batch = step(
-        batch_metrics={"rollout/episodes": 20, "rollout/quarantined": 1, "quarantine/worker_dead": 1}
-    )
+    trainer, module, batch = step(stats=StepStats(episodes=20, quarantined={"worker_dead": 1}))
     stats.on_train_batch_end(trainer, module, None, batch, 0)
     assert module.logged == {"quarantine/rate": 0.05, "quarantine_total/worker_dead": 1.0, "quarantine_total/all": 1.0}
-    batch.metrics = {
-        "rollout/episodes": 20,
-        "rollout/quarantined": 4,
-        "quarantine/worker_dead": 1,
-        "quarantine/infra": 3,
-    }
+    batch.stats = StepStats(episodes=20, quarantined={"worker_dead": 1, "infra": 3})
     with pytest.warns(RuntimeWarning, match=r"20.0% of episodes quarantined \(worker_dead=1, infra=3\)"):
         stats.on_train_batch_end(trainer, module, None, batch, 1)
     assert stats.totals == {"worker_dead": 2, "infra": 3, "all": 5}
@@ -97,7 +90,7 @@ def test_coverage_numbers_on_a_hand_built_batch():
     assert metrics["coverage/mixed_tier1"] == 1.0
     assert metrics["coverage/all_fail_tier3"] == 0.5 and metrics["coverage/mixed_tier3"] == 0.5
     assert metrics["coverage/all_success_tier3"] == 0.0 and metrics["coverage/group_size"] == 4
-    trainer, module, batch = step(batch_metrics=metrics)
+    trainer, module, batch = step(batch_metrics=metrics, stats=StepStats.of(trajectories, 4))
     CoverageLogger().on_train_batch_end(trainer, module, None, batch, 0)
     # tier 1: p = 1/4, n = 4 -> 1 - 0.25^4 - 0.75^4; tier 3: p = 1/8
     assert module.logged["coverage/psig_tier1"] == pytest.approx(1 - 0.25**4 - 0.75**4) == pytest.approx(0.6796875)

@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from canopy.datamodules.rollout import RolloutDataModule, StaleWeightsError, pack, score_groups
+from canopy.datamodules.rollout import RolloutDataModule, StaleWeightsError, StepStats, pack, score_groups
 from canopy.envs.base import Task, Verdict
 from canopy.envs.embedded import EmbeddedEnvironment
 from canopy.rollout.agent_loop import Budget, Trajectory
@@ -117,3 +117,20 @@ def test_task_sampler_walks_epochs_and_resumes(tokenizer):
 def test_drop_hardest_removes_the_top_tier(tokenizer):
     dm = datamodule(tokenizer, ScriptedEngine(tokenizer, ["login"]), drop_hardest=True)
     assert {t.tier for t in dm.tasks} == {1, 2}
+
+
+def test_step_stats_are_what_the_callbacks_read():
+    a, b = Task("a", 1, "s"), Task("b", 3, "s")
+    trajectories = [trajectory(a, 0, True), trajectory(a, 1, False), trajectory(a, 2, quarantine="worker_killed")]
+    trajectories += [trajectory(a, 3, True)] + [trajectory(b, i, False) for i in range(4)]
+    stats = StepStats.of(trajectories, group_size=4)
+    assert (stats.episodes, stats.quarantined) == (8, {"worker_killed": 1})
+    assert stats.success_by_tier == {1: 2 / 3, 3: 0.0} and stats.groups_by_tier == {1: 1, 3: 1}
+    assert stats.scored_per_group == 3.5
+
+
+def test_every_batch_carries_its_step_stats(tokenizer):
+    dm = datamodule(tokenizer, ScriptedEngine(tokenizer, ["login"]), group_size=2)
+    batch = dm.next_batch()
+    assert batch.stats.episodes == 6 == batch.metrics["rollout/episodes"] and batch.stats.quarantined == {}
+    assert batch.stats.scored_per_group == 2.0 and sum(batch.stats.groups_by_tier.values()) == 3

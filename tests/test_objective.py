@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from canopy.objective import canopy_loss, group_advantages, k3_kl
+from canopy.objective import canopy_loss, group_advantages, k3_kl, step_advantages
 
 
 def ones(n):
@@ -178,3 +178,32 @@ def test_unknown_aggregation_is_rejected():
         canopy_loss(
             torch.zeros(1, 2), torch.zeros(1, 2), torch.zeros(1, 2), torch.zeros(1), torch.ones(1, 2), aggregation="sum"
         )
+
+
+def test_step_advantages_is_eq3_per_group_after_quarantine():
+    """A step's groups at once: each row equals Eq. 3 on that group's surviving episodes alone."""
+    g = torch.Generator().manual_seed(0)
+    rewards = torch.rand(6, 8, generator=g).round()  # sparse
+    rewards[4] = torch.rand(8, generator=g)  # a dense group
+    rewards[5] = 1.0  # an all-success group: no signal
+    quarantined = torch.rand(6, 8, generator=g) < 0.2
+    quarantined[3, :7] = True  # one survivor: no signal
+    advantages = step_advantages(rewards, quarantined)
+    for row in range(6):
+        kept = rewards[row][~quarantined[row]].double()
+        expected = torch.zeros(8, dtype=torch.float64)
+        if kept.numel() >= 2 and kept.std(unbiased=False) > 0:
+            expected[~quarantined[row]] = (kept - kept.mean()) / kept.std(unbiased=False)
+        assert torch.allclose(advantages[row].double(), expected, atol=1e-6), row
+    assert advantages[3].abs().sum() == 0 and advantages[5].abs().sum() == 0
+    assert (advantages[quarantined] == 0).all()
+
+
+def test_step_advantages_quarantine_as_failure_keeps_the_episode_with_reward_zero():
+    rewards = torch.tensor([[1.0, 0.0, 1.0, 0.0]])
+    quarantined = torch.tensor([[False, False, False, True]])
+    as_failure = step_advantages(rewards, quarantined, quarantine_as_failure=True)
+    assert torch.allclose(as_failure, torch.tensor([[1.0, -1.0, 1.0, -1.0]]))
+    dropped = step_advantages(rewards, quarantined)
+    assert torch.allclose(dropped[0, :3], group_advantages(rewards[0, :3], torch.ones(3, dtype=torch.bool)))
+    assert dropped[0, 3] == 0

@@ -10,14 +10,14 @@ import functools
 import random
 from collections import Counter, defaultdict
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import lightning as L
 import torch
 
 from canopy.coverage import group_composition
 from canopy.envs.base import Environment, SystemicFaultError, Task
-from canopy.objective import group_advantages
+from canopy.objective import step_advantages
 from canopy.rollout.agent_loop import Budget, Trajectory, run_episodes
 from canopy.rollout.engine import SamplingParams
 from canopy.rollout.faults import check_systemic_faults
@@ -42,6 +42,7 @@ class RolloutBatch:
     lengths: torch.Tensor  # [B]
     weight_version: int
     metrics: dict[str, float]
+    stats: "StepStats | None" = None  # the step's statistics for the callbacks (whole batches only)
 
     @property
     def num_action_tokens(self) -> int:
@@ -79,44 +80,85 @@ class RolloutBatch:
 def score_groups(
     trajectories: list[Trajectory], group_size: int, reward_kind: str, quarantine_as_failure: bool = False
 ) -> tuple[list[Trajectory], torch.Tensor, dict[str, float]]:
-    """Quarantine, then reward, then Eq. 3 per group of `group_size` consecutive same-task episodes.
-    Returns the survivors, their advantages and group-composition stats.
+    """Quarantine, then reward, then Eq. 3 (`step_advantages`) over the step's groups of `group_size` consecutive
+    same-task episodes. Returns the survivors, their advantages and, computed beside them, the groups'
+    composition (`coverage_metrics`).
 
     With `quarantine_as_failure` (the sensitivity ablation of Appendix G) quarantined episodes are scored 0
     instead of removed; they carry no tokens either way, since their trajectory is not the policy's doing.
     """
+    groups = same_task_groups(trajectories, group_size)
+    quarantined = torch.tensor([t.quarantine is not None for t in trajectories]).reshape(len(groups), group_size)
+    rewards = torch.tensor([0.0 if t.quarantine is not None else t.reward(reward_kind) for t in trajectories])
+    advantages = step_advantages(rewards.reshape(len(groups), group_size), quarantined, quarantine_as_failure)
+    survivors = [t for t in trajectories if t.quarantine is None]
+    return survivors, advantages[~quarantined], coverage_metrics(groups)
+
+
+def same_task_groups(trajectories: list[Trajectory], group_size: int) -> list[list[Trajectory]]:
+    """The step's groups: `group_size` consecutive episodes of one task each. A lost episode, or a group that
+    mixes tasks, is an error, never a silent drop."""
     if len(trajectories) % group_size:
         raise RuntimeError(
             f"{len(trajectories)} episodes do not form whole groups of {group_size}: an episode was lost"
         )
     groups = [trajectories[i : i + group_size] for i in range(0, len(trajectories), group_size)]
-    survivors, advantages, compositions = [], [], Counter()
-    composition_by_tier: dict[int, Counter] = defaultdict(Counter)
     for group in groups:
         if len({t.task.task_id for t in group}) != 1:
             raise RuntimeError(
                 f"a group mixes tasks {sorted({t.task.task_id for t in group})}: groups must be same-task"
             )
-        valid = torch.tensor([t.quarantine is None or quarantine_as_failure for t in group])
-        rewards = torch.tensor([0.0 if t.quarantine is not None else t.reward(reward_kind) for t in group])
-        group_adv = group_advantages(rewards, valid)
-        successes = [t.verdict is not None and t.verdict.success for t in group if t.quarantine is None]
-        kind = group_composition(sum(successes), len(successes)) if successes else "empty"
+    return groups
+
+
+def composition(group: list[Trajectory]) -> str:
+    """all_fail / all_success / mixed over the group's scored episodes (Fig. 3); `empty` if all were quarantined."""
+    successes = [t.verdict is not None and t.verdict.success for t in group if t.quarantine is None]
+    return group_composition(sum(successes), len(successes)) if successes else "empty"
+
+
+def coverage_metrics(groups: list[list[Trajectory]]) -> dict[str, float]:
+    """The fraction of groups of each composition, overall and per tier (`coverage/<kind>[_tier<K>]`), the groups
+    per tier and the scored rollouts per group (`coverage/group_size`, Eq. 4's n after quarantine)."""
+    compositions, by_tier = Counter(), defaultdict(Counter)
+    for group in groups:
+        kind = composition(group)
         compositions[kind] += 1
-        composition_by_tier[group[0].task.tier][kind] += 1
-        for trajectory, advantage in zip(group, group_adv.tolist()):
-            if trajectory.quarantine is None:
-                survivors.append(trajectory)
-                advantages.append(advantage)
+        by_tier[group[0].task.tier][kind] += 1
     n_groups = max(1, len(groups))
     stats = {f"coverage/{kind}": compositions[kind] / n_groups for kind in ("all_fail", "all_success", "mixed")}
-    # per-group info for the coverage callback: group count and composition by tier, scored rollouts per group
-    stats["coverage/group_size"] = sum(t.quarantine is None for t in trajectories) / n_groups
-    for tier, counter in sorted(composition_by_tier.items()):
+    stats["coverage/group_size"] = sum(t.quarantine is None for group in groups for t in group) / n_groups
+    for tier, counter in sorted(by_tier.items()):
         stats[f"coverage/groups_tier{tier}"] = sum(counter.values())
         for kind in ("all_fail", "all_success", "mixed"):
             stats[f"coverage/{kind}_tier{tier}"] = counter[kind] / max(1, sum(counter.values()))
-    return survivors, torch.tensor(advantages, dtype=torch.float32), stats
+    return stats
+
+
+@dataclass
+class StepStats:
+    """A rollout step's statistics as the callbacks read them (the logs get `RolloutBatch.metrics`)."""
+
+    episodes: int
+    quarantined: dict[str, int] = field(default_factory=dict)  # quarantined episodes by fault reason (Appendix G)
+    success_by_tier: dict[int, float] = field(default_factory=dict)  # success rate of the scored episodes
+    groups_by_tier: dict[int, int] = field(default_factory=dict)
+    scored_per_group: float = 0.0  # rollouts left per group after quarantine: Eq. 4's n
+
+    @classmethod
+    def of(cls, trajectories: list[Trajectory], group_size: int) -> "StepStats":
+        scored = [t for t in trajectories if t.quarantine is None]
+        outcomes: dict[int, list[bool]] = defaultdict(list)
+        for t in scored:
+            outcomes[t.task.tier].append(t.verdict is not None and t.verdict.success)
+        groups = Counter(t.task.tier for t in trajectories[::group_size])
+        return cls(
+            episodes=len(trajectories),
+            quarantined=dict(Counter(t.quarantine for t in trajectories if t.quarantine is not None)),
+            success_by_tier={tier: sum(v) / len(v) for tier, v in sorted(outcomes.items())},
+            groups_by_tier=dict(sorted(groups.items())),
+            scored_per_group=len(scored) / max(1, len(trajectories) // group_size),
+        )
 
 
 def pack(trajectories: list[Trajectory], advantages: torch.Tensor, pad_token_id: int, version: int) -> RolloutBatch:
@@ -333,6 +375,7 @@ class RolloutDataModule(L.LightningDataModule):
             )
         batch = pack(survivors, advantages, self.tokenizer.pad_token_id, self.trainer_version)
         batch.metrics = {**rollout_metrics(trajectories, self.reward), **coverage}
+        batch.stats = StepStats.of(trajectories, self.group_size)
         batch.metrics.update({f"time/{k}": v for k, v in timings.items()})
         self.step += 1
         return batch
