@@ -5,6 +5,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 from omegaconf import OmegaConf
 from transformers import AutoTokenizer
 
@@ -105,34 +106,42 @@ def test_build_callbacks_swaps_by_config():
     assert build_callbacks(config("callbacks=none")) == []
 
 
-def test_budget_transfer_evaluates_both_budgets(tiny_path, tmp_path):
+def test_budget_transfer_evaluates_both_budgets_with_the_runs_own_engine(tiny_path, tmp_path):
     cfg = config(f"model.path={tiny_path}")
-    run_config = OmegaConf.create({k: cfg[k] for k in ("engine", "seed", "budget", "sampling")})
+    run_config = OmegaConf.create({k: cfg[k] for k in ("seed", "budget", "sampling")})
     run_config.budget.max_turns = 2  # keep the untrained model's episodes short
     callback = BudgetTransferEval(run_config, enlarged_budget="embedded_enlarged", split="test", k=1)
     callback.configs["enlarged_budget"].budget.max_turns = 3
     callback.configs["enlarged_budget"].budget.max_response_tokens = 48
     tokenizer = AutoTokenizer.from_pretrained(tiny_path)
-    weights = LocalEngine(tiny_path, stop_token_ids=[0], pad_token_id=0).model.state_dict()
+    engine = LocalEngine(tiny_path, stop_token_ids=[0], pad_token_id=0, seed=11)
+    engine.weight_version = 7
+    training_sampler = engine.generator.get_state()
     logger = SimpleNamespace(logged={}, log_metrics=lambda metrics, step: logger.logged.update(metrics))
+    datamodule = SimpleNamespace(
+        engine=engine, env=EmbeddedEnvironment(), tokenizer=tokenizer, max_quarantine_fraction=0.5
+    )
     trainer = SimpleNamespace(
         global_step=7,
         is_global_zero=True,
+        world_size=1,
         logger=logger,
         default_root_dir=str(tmp_path),
-        datamodule=SimpleNamespace(env=EmbeddedEnvironment(), tokenizer=tokenizer, max_quarantine_fraction=0.5),
+        datamodule=datamodule,
     )
-    module = SimpleNamespace(
-        hparams=SimpleNamespace(model_path=str(tiny_path)),
-        weight_version=7,
-        iter_hf_weights=lambda: iter(weights.items()),
-    )
+    module = SimpleNamespace(weight_version=7, iter_hf_weights=lambda: iter(()))
     callback.on_train_end(trainer, module)
     assert {"eval/training_budget/tgc_all", "eval/enlarged_budget/tgc_tier3"} <= set(logger.logged)
     assert all(0.0 <= v <= 1.0 for v in logger.logged.values())
-    assert len(callback.engines) == 1  # neither budget scales RoPE: one evaluation engine, not the training one
+    # neither budget scales RoPE: both were served by the lent engine itself, its training sampler untouched
+    assert engine.siblings == {} and torch.equal(engine.generator.get_state(), training_sampler)
     assert "embedded_enlarged (3t/48)" in (tmp_path / "budget_transfer.md").read_text()
     assert (tmp_path / "fig5_budget_transfer.png").stat().st_size > 10_000
+    # a budget with YaRN gets an in-process sibling holding the same weights, built once
+    yarn = {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 64}
+    sibling = engine.at_budget(2048, yarn)
+    assert sibling is engine.at_budget(2048, yarn) is not engine and sibling.weight_version == 7
+    assert all(torch.equal(a, b) for a, b in zip(sibling.model.parameters(), engine.model.parameters()))
 
 
 @pytest.mark.slow

@@ -6,18 +6,18 @@ import json
 import socket
 import subprocess
 import sys
-import threading
-import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
 from safetensors.torch import load_file
 from transformers import Qwen3ForCausalLM
 
 from canopy.build import build_engine
+from canopy.callbacks import BudgetTransferEval
 from canopy.config import ConfigError, validate
 from canopy.envs.base import Task
 from canopy.envs.embedded import EmbeddedEnvironment
@@ -33,91 +33,11 @@ from canopy.rollout.sglang_engine import (
     init_custom_process_group,
     launch_command,
 )
+from tests.fake_sglang import FakeSGLang
 
 STOPS = [2, 0]  # <|im_end|>, <|endoftext|> in the tiny tokenizer
-CONF = str(Path(__file__).resolve().parents[1] / "conf")
-
-
-class FakeSGLang:
-    """Records every (path, body); /generate replies `reply_ids` (cut at max_new_tokens) stamped with the version
-    the last weight update set. `failures` scripts the next /generate replies: abort, 500, 400 or drop."""
-
-    def __init__(self, reply_ids=(7, 8, 2), delay=0.0):
-        self.reply_ids, self.delay = list(reply_ids), delay
-        self.calls: list[tuple[str, dict | None]] = []
-        self.failures: list[str] = []
-        self.fail_prefix: list[int] | None = None  # /generate of prompts starting with these ids answers 500
-        self.version, self.report_version = "default", None
-        self.lock = threading.Lock()
-        fake = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args):
-                pass
-
-            def do_GET(self):
-                fake.handle(self, None)
-
-            def do_POST(self):
-                fake.handle(self, json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-
-    def stop(self):
-        self.httpd.shutdown()
-        self.httpd.server_close()
-
-    def paths(self, since=0):
-        return [path for path, _ in self.calls[since:]]
-
-    def bodies(self, path):
-        return [body for p, body in self.calls if p == path]
-
-    def handle(self, request, body):
-        path = request.path
-        with self.lock:
-            self.calls.append((path, body))
-            failure = self.failures.pop(0) if path == "/generate" and self.failures else None
-        if path == "/generate":
-            time.sleep(self.delay)
-            if failure == "drop":
-                request.close_connection = True
-                return
-            failing_prompt = self.fail_prefix and body["input_ids"][: len(self.fail_prefix)] == self.fail_prefix
-            if failure in ("500", "400") or failing_prompt:
-                return self.reply(request, {"error": {"message": "boom"}}, int(failure or 500))
-            return self.reply(request, self.generation(body, aborted=failure == "abort"))
-        if path == "/model_info":
-            return self.reply(request, {"weight_version": self.version, "model_path": "x"})
-        if body and body.get("weight_version") is not None:
-            self.version = body["weight_version"]
-        return self.reply(request, {"success": True, "message": "ok"})
-
-    def generation(self, body, aborted):
-        params = body["sampling_params"]
-        ids = self.reply_ids[: params["max_new_tokens"]]
-        finish = {"type": "length", "length": len(ids)}
-        if ids[-1] in params["stop_token_ids"]:
-            finish = {"type": "stop", "matched": ids[-1]}
-        if aborted:
-            finish = {"type": "abort", "message": "Abort before prefill"}
-        meta = {
-            "finish_reason": finish,
-            "weight_version": self.report_version or self.version,
-            "output_token_logprobs": [[-(k + 1) / 4, t, None] for k, t in enumerate(ids)],
-        }
-        return {"text": "", "output_ids": ids, "meta_info": meta}
-
-    @staticmethod
-    def reply(request, payload, status=200):
-        data = json.dumps(payload).encode()
-        request.send_response(status)
-        request.send_header("Content-Type", "application/json")
-        request.send_header("Content-Length", str(len(data)))
-        request.end_headers()
-        request.wfile.write(data)
+ROOT = Path(__file__).resolve().parents[1]
+CONF = str(ROOT / "conf")
 
 
 @pytest.fixture
@@ -409,3 +329,74 @@ def test_engine_config_validation_and_build(tiny_path, tokenizer, tmp_path, fake
     assert config("engine.name=sglang").engine.sglang.python == "/opt/sglang/bin/python"
     engine = build_engine(config(*attach), str(tiny_path), tokenizer)
     assert isinstance(engine, SGLangEngine) and engine.servers[0].url == server.url and engine.stop_token_ids == [0, 2]
+
+
+def budget_transfer(tmp_path, engine, tokenizer, every_n_steps=0):
+    """The budget-transfer callback lent `engine`, with short budgets, and a trainer / module stand-in at step 5."""
+    cfg = config()
+    run_config = OmegaConf.create({k: cfg[k] for k in ("seed", "budget", "sampling")})
+    run_config.budget.max_turns = 2
+    callback = BudgetTransferEval(
+        run_config, enlarged_budget="enlarged", split="test", k=1, every_n_steps=every_n_steps
+    )
+    callback.configs["enlarged_budget"].budget.max_turns = 2  # the enlarged budget keeps its YaRN and 61,440 tokens
+    datamodule = SimpleNamespace(engine=engine, env=EmbeddedEnvironment(), tokenizer=tokenizer)
+    datamodule.max_quarantine_fraction = 0.5
+    trainer = SimpleNamespace(global_step=5, is_global_zero=True, world_size=1, logger=None, datamodule=datamodule)
+    trainer.default_root_dir = str(tmp_path)
+    return callback, trainer
+
+
+def test_budget_transfer_evaluates_on_the_training_servers_and_never_resets_attached_ones(
+    tiny_path, tokenizer, tmp_path, fake
+):
+    """Defect 1 of design/scale.md: evaluation used to build a second engine, which reset attached servers to the
+    base weights (or launched a second set on the same ports). Now it borrows the run's engine."""
+    server = fake()
+    engine = engine_for(tiny_path, tmp_path, [server])
+    engine.update_weights(tiny_weights(tiny_path, 0.01).items(), 5)
+    before = len(server.calls)
+    callback, trainer = budget_transfer(tmp_path, engine, tokenizer, every_n_steps=5)
+    with pytest.warns(RuntimeWarning, match=r"enlarged \(2t/61440\) evaluation is left by evaluate.py"):
+        callback.on_train_batch_end(trainer, SimpleNamespace(weight_version=5), None, None, 0)
+    assert [r["role"] for r in callback.last[1]] == ["training_budget"]
+    callback.on_train_end(trainer, SimpleNamespace(weight_version=5))  # attached: never relaunched, said once
+    assert set(server.paths(before)) == {"/generate"}  # no reset, no weight update, no second server
+    assert engine.weight_version == 5 and {b["weight_version"] for b in server.bodies("/update_weights_from_disk")} == {
+        "0",
+        "5",
+    }
+
+
+def test_budget_transfer_relaunches_launched_servers_at_the_enlarged_budget_then_back(
+    tiny_path, tokenizer, tmp_path, monkeypatch
+):
+    """Servers the engine launched serve the enlarged budget (YaRN, 61,440 tokens) only after training: relaunched
+    on the same port with those settings and the final weights, then relaunched as they were."""
+    from tests.parallel_worker import free_port
+
+    launches = tmp_path / "launches.jsonl"
+    monkeypatch.setenv("PYTHONPATH", f"{ROOT / 'tests' / 'fake_sglang_launch'}:{ROOT}")
+    monkeypatch.setenv("FAKE_SGLANG_LAUNCHES", str(launches))
+    settings = SGLangSettings(python=sys.executable, sync_dir=str(tmp_path / "sync"), base_port=free_port())
+    engine = SGLangEngine(tiny_path, STOPS, settings, context_length=1024, retry_backoff_s=0.0)
+    try:
+        weights = tiny_weights(tiny_path, 0.01)
+        engine.update_weights(weights.items(), 5)
+        callback, trainer = budget_transfer(tmp_path, engine, tokenizer, every_n_steps=5)
+        module = SimpleNamespace(weight_version=5, iter_hf_weights=lambda: iter(weights.items()))
+        with pytest.warns(RuntimeWarning, match="evaluation is left at the end of training"):
+            callback.on_train_batch_end(trainer, module, None, None, 0)
+        assert len(launches.read_text().splitlines()) == 1  # nothing relaunched during training
+        callback.on_train_end(trainer, module)
+        flags = [dict(zip(a[::2], a[1::2])) for a in map(json.loads, launches.read_text().splitlines())]
+        assert len(flags) == 3 and flags[0]["--port"] == flags[1]["--port"] == flags[2]["--port"]
+        assert flags[0]["--context-length"] == "1024" and "--json-model-override-args" not in flags[0]
+        assert flags[1]["--context-length"] == "61440"
+        assert json.loads(flags[1]["--json-model-override-args"])["rope_scaling"]["rope_type"] == "yarn"
+        assert flags[2] == flags[0]
+        assert (engine.weight_version, engine.rope_scaling, engine.context_length) == (5, None, 1024)
+        results = json.loads((tmp_path / "budget_transfer.json").read_text())
+        assert [r["role"] for r in results] == ["training_budget", "enlarged_budget"]
+    finally:
+        engine.close()

@@ -2,13 +2,13 @@
 split at the training budget and at the enlarged one, every `every_n_steps` steps and/or at the end.
 Periodic evaluations at the training budget give the dev-score curve of Fig. 4."""
 
-import json
+import warnings
 from pathlib import Path
 
 import lightning as L
 from omegaconf import DictConfig, OmegaConf
 
-from canopy.build import build_budget, build_engine, build_sampling
+from canopy.build import build_budget, build_sampling
 from canopy.eval.runner import budget_label, evaluation, load_budget, sample_runs, with_budget, write_results
 from canopy.tools.plots import plot_budget_transfer
 
@@ -17,9 +17,14 @@ class BudgetTransferEval(L.Callback):
     """Logs `eval/{training,enlarged}_budget/tgc_<all|tierK>` (mean@k TGC); at the end writes
     `budget_transfer.{json,md}` and `fig5_budget_transfer.png` in the run directory.
 
-    `run_config` holds the run's `engine`, `seed`, `budget` and `sampling`; `enlarged_budget` names a
-    `conf/budget/` file. Each budget gets its own engine (built once, with that budget's RoPE scaling), so
-    evaluation never advances the training engine's sampler.
+    `run_config` holds the run's `seed`, `budget` and `sampling`; `enlarged_budget` names a `conf/budget/` file.
+    It evaluates with the run's own engine, lent by the data module, and never builds one: `engine.at_budget`
+    gives the engine for each budget (the local engine: itself, or an in-process sibling with YaRN), sampling
+    with the run's seed without moving the training sampler. SGLang servers launched for the training budget
+    cannot serve the enlarged one (YaRN, a longer context): that evaluation waits for the end of training,
+    where the engine relaunches its servers at the enlarged budget on the same ports and GPUs, pushes the final
+    weights, evaluates, and relaunches them as they were. Attached servers (`engine.sglang.urls`) are never
+    relaunched: the enlarged evaluation is then left to `evaluate.py` on servers launched for it.
     """
 
     def __init__(
@@ -34,31 +39,60 @@ class BudgetTransferEval(L.Callback):
         enlarged = with_budget(run_config, load_budget(enlarged_budget))
         self.configs = {"training_budget": OmegaConf.merge(run_config), "enlarged_budget": enlarged}
         self.split, self.k, self.every_n_steps, self.at_end = split, k, every_n_steps, at_end
-        self.engines: dict[str, object] = {}
         self.last: tuple[int, list[dict]] = (-1, [])
+        self.skipped: set[str] = set()  # roles whose evaluation this engine cannot serve now (said once)
 
-    def _engine(self, cfg: DictConfig, model_path: str, tokenizer):
-        key = json.dumps(OmegaConf.to_container(cfg.budget).get("rope_scaling"), sort_keys=True)
-        if key not in self.engines:
-            self.engines[key] = build_engine(cfg, model_path, tokenizer)
-        return self.engines[key]
-
-    def evaluate(self, trainer, pl_module) -> list[dict]:
-        """Evaluate the current weights at every budget (rank 0; the others only join the weight gathering)."""
-        weights = pl_module.iter_hf_weights()  # a collective when sharded
+    def evaluate(self, trainer, pl_module, final: bool = False) -> list[dict]:
+        """Evaluate the current weights at every budget the engine serves (rank 0; with `final`, every budget)."""
+        relaunch = self._needs_relaunch(trainer) if final else None
+        if relaunch is not None:  # the weights to push into the relaunched servers: a collective when sharded
+            relaunch = trainer.strategy.broadcast(relaunch, src=0) if trainer.world_size > 1 else relaunch
+            weights = dict(pl_module.iter_hf_weights()) if relaunch else None
         if not trainer.is_global_zero:
-            for _ in weights:
-                pass
             return []
-        weights = dict(weights)
         dm = trainer.datamodule
         tasks = dm.env.tasks(self.split)
         results = []
         for role, cfg in self.configs.items():
-            engine = self._engine(cfg, pl_module.hparams.model_path, dm.tokenizer)
-            engine.update_weights(weights.items(), pl_module.weight_version)
-            if hasattr(engine, "generator"):
-                engine.generator.manual_seed(cfg.seed)  # same sampling noise at every evaluation
+            engine = dm.engine.at_budget(cfg.budget.max_context_tokens, _rope(cfg))
+            if engine is not None:
+                results.append(self._run(engine, dm, tasks, role, cfg, trainer.global_step))
+            elif final and getattr(dm.engine, "can_relaunch", False):
+                with dm.engine.relaunched(cfg.budget.max_context_tokens, _rope(cfg)) as engine:
+                    engine.update_weights(weights.items(), pl_module.weight_version)
+                    results.append(self._run(engine, dm, tasks, role, cfg, trainer.global_step))
+                dm.engine.update_weights(weights.items(), pl_module.weight_version)
+            elif role not in self.skipped:
+                self.skipped.add(role)
+                relaunchable = getattr(dm.engine, "can_relaunch", False)
+                when = "at the end of training" if not final and relaunchable else "by evaluate.py"
+                warnings.warn(
+                    f"budget transfer: the engine's servers run the training budget, so the "
+                    f"{budget_label(cfg.budget)} evaluation is left {when} (`python evaluate.py "
+                    f"budget={cfg.budget.name} checkpoint=<final_hf>` on servers launched for it)",
+                    RuntimeWarning,
+                    stacklevel=1,
+                )
+        if trainer.logger is not None and results:
+            logged = {
+                f"eval/{r['role']}/tgc_{tier}": row["tgc_mean"] for r in results for tier, row in r["metrics"].items()
+            }
+            trainer.logger.log_metrics(logged, step=trainer.global_step)
+        return results
+
+    def _needs_relaunch(self, trainer) -> bool | None:
+        """On rank 0: whether the final evaluation relaunches servers (the other ranks learn it by broadcast)."""
+        if not trainer.is_global_zero:
+            return False
+        engine = trainer.datamodule.engine
+        return any(
+            engine.at_budget(cfg.budget.max_context_tokens, _rope(cfg)) is None
+            and getattr(engine, "can_relaunch", False)
+            for cfg in self.configs.values()
+        )
+
+    def _run(self, engine, dm, tasks, role: str, cfg: DictConfig, step: int) -> dict:
+        with engine.evaluation_seed(cfg.seed):  # the same sampling noise at every evaluation
             runs, quarantined = sample_runs(
                 engine,
                 dm.env,
@@ -68,28 +102,20 @@ class BudgetTransferEval(L.Callback):
                 build_budget(cfg),
                 build_sampling(cfg),
                 seed=cfg.seed,
-                description=f"eval {cfg.budget.name} step {trainer.global_step}",
+                description=f"eval {cfg.budget.name} step {step}",
                 max_quarantine_fraction=dm.max_quarantine_fraction,
             )
-            results.append(
-                evaluation(
-                    tasks,
-                    runs,
-                    quarantined,
-                    policy=f"step {trainer.global_step}",
-                    budget=budget_label(cfg.budget),
-                    role=role,
-                    split=self.split,
-                    k=self.k,
-                    step=trainer.global_step,
-                )
-            )
-        if trainer.logger is not None:
-            logged = {
-                f"eval/{r['role']}/tgc_{tier}": row["tgc_mean"] for r in results for tier, row in r["metrics"].items()
-            }
-            trainer.logger.log_metrics(logged, step=trainer.global_step)
-        return results
+        return evaluation(
+            tasks,
+            runs,
+            quarantined,
+            policy=f"step {step}",
+            budget=budget_label(cfg.budget),
+            role=role,
+            split=self.split,
+            k=self.k,
+            step=step,
+        )
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if self.every_n_steps and trainer.global_step % self.every_n_steps == 0:
@@ -99,10 +125,15 @@ class BudgetTransferEval(L.Callback):
         if not self.at_end:
             return
         step, results = self.last
-        if step != trainer.global_step:
-            results = self.evaluate(trainer, pl_module)
+        if step != trainer.global_step or len(results) < len(self.configs):
+            results = self.evaluate(trainer, pl_module, final=True)
         if results:
             run_dir = Path(trainer.default_root_dir)
             _, md_path = write_results(run_dir, "budget_transfer", results)
             plot_budget_transfer(results, run_dir / "fig5_budget_transfer.png")
             print(f"\nBudget transfer ({self.split}, mean@{self.k}):\n{md_path.read_text()}")
+
+
+def _rope(cfg: DictConfig) -> dict | None:
+    rope = cfg.budget.get("rope_scaling")
+    return OmegaConf.to_container(rope) if rope else None

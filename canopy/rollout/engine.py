@@ -1,11 +1,16 @@
-"""Inference engines. `LocalEngine` generates in-process (CPU, the embedded default) with the same contract
-as the SGLang server: token ids in, token ids + logprobs out, each sample stamped with the weight version,
-weights pushed as an HF-format state dict after every optimizer step.
+"""Inference engines. `Engine` is the contract a run relies on; `LocalEngine` generates in-process (CPU, the
+embedded default) with the same contract as the SGLang servers (`canopy.rollout.sglang_engine`): token ids in,
+token ids + logprobs out, each sample stamped with the weight version, weights pushed as an HF-format state
+dict after every optimizer step. A run builds its engine once and lends it out: to the data module for
+rollouts, and to evaluators, which ask it for the budget they evaluate at (`at_budget`) instead of building
+engines of their own.
 """
 
+import contextlib
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ContextManager, Protocol
 
 import torch
 from transformers import AutoConfig, Qwen3ForCausalLM
@@ -55,6 +60,30 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
     return logits
 
 
+class Engine(Protocol):
+    """What a run needs from its one inference engine."""
+
+    weight_version: int  # the version of the weights it samples from; every sample carries it
+
+    def generate(
+        self, prompts: list[list[int]], max_new_tokens: list[int], sampling: SamplingParams
+    ) -> list[Generation | EngineFault]:
+        """One completion per prompt; a request the serving layer failed comes back as an `EngineFault`."""
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Take the trainer's weights (HF names, streamed) as `version`; all of them, or none."""
+
+    def at_budget(self, context_length: int, rope_scaling: dict | None) -> "Engine | None":
+        """An engine serving the current weights at this context length and RoPE scaling (Appendix I's enlarged
+        budget): itself when its own settings serve it, None when that takes relaunched servers."""
+
+    def evaluation_seed(self, seed: int) -> ContextManager:
+        """Sample with `seed` inside the block and leave the training sampler where it was."""
+
+    def close(self) -> None:
+        """Release what the engine started."""
+
+
 class LocalEngine:
     """Batched sampling with a KV cache from an HF `Qwen3ForCausalLM`, in-process."""
 
@@ -67,6 +96,8 @@ class LocalEngine:
         rope_scaling: dict | None = None,
     ):
         """`rope_scaling` (e.g. YaRN for the enlarged budget, Appendix I) overrides the HF config's RoPE on load."""
+        self.model_path, self.rope_scaling, self.seed = model_path, rope_scaling, seed
+        self.siblings: dict[str, LocalEngine] = {}  # the same weights at other RoPE scalings, by `at_budget`
         config = AutoConfig.from_pretrained(model_path)
         if rope_scaling:
             config.rope_parameters = {**config.rope_parameters, **rope_scaling}
@@ -92,6 +123,31 @@ class LocalEngine:
                 f"weight update to version {version} missed {sorted(missing)[:3]}: engine weights are mixed"
             )
         self.weight_version = version
+
+    def at_budget(self, context_length: int, rope_scaling: dict | None) -> "LocalEngine":
+        """Itself, or for another RoPE scaling an in-process sibling holding a copy of the current weights."""
+        if (rope_scaling or None) == (self.rope_scaling or None):
+            return self
+        key = repr(sorted(rope_scaling.items())) if rope_scaling else "none"
+        if key not in self.siblings:
+            stops = self.stop_token_ids.tolist()
+            self.siblings[key] = LocalEngine(self.model_path, stops, self.pad_token_id, self.seed, rope_scaling)
+        sibling = self.siblings[key]
+        if sibling.weight_version != self.weight_version:
+            sibling.update_weights(self.model.named_parameters(), self.weight_version)
+        return sibling
+
+    @contextlib.contextmanager
+    def evaluation_seed(self, seed: int):
+        state = self.generator.get_state()
+        self.generator.manual_seed(seed)
+        try:
+            yield
+        finally:
+            self.generator.set_state(state)
+
+    def close(self) -> None:
+        self.siblings.clear()
 
     @torch.no_grad()
     def generate(

@@ -15,6 +15,7 @@ A request still failing after `max_retries` retries comes back as an `EngineFaul
 """
 
 import atexit
+import contextlib
 import http.client
 import json
 import os
@@ -204,6 +205,7 @@ class SGLangEngine:
         self.model_path = Path(model_path).resolve()
         self.stop_token_ids = sorted(set(stop_token_ids))
         self.settings = settings
+        self.context_length, self.rope_scaling, self.seed = context_length, rope_scaling, seed
         self.weight_version = 0
         self.weight_names = checkpoint_weight_names(self.model_path)
         self.sync_dtype = checkpoint_dtype(self.model_path)
@@ -268,8 +270,50 @@ class SGLangEngine:
         tail = "\n".join(server.log.read_text(errors="replace").splitlines()[-30:])
         return f"SGLang server {server.url} {what}: fix the launch (engine.sglang.*) from its log {server.log}:\n{tail}"
 
+    def at_budget(self, context_length: int, rope_scaling: dict | None) -> "SGLangEngine | None":
+        """Itself when its servers run with this RoPE scaling and at least this context; else None: the servers
+        would need a relaunch (`relaunched`), which only the end of training can afford."""
+        fits = self.context_length is None or context_length <= self.context_length
+        return self if fits and (rope_scaling or None) == (self.rope_scaling or None) else None
+
+    @property
+    def can_relaunch(self) -> bool:
+        """Whether this engine launched its servers (attached ones belong to someone else: never relaunched)."""
+        return not self.settings.urls
+
+    @contextlib.contextmanager
+    def relaunched(self, context_length: int, rope_scaling: dict | None):
+        """Inside the block, the servers run relaunched on the same ports and GPUs with this context length and
+        RoPE scaling, from the base weights at version 0 (push the policy's weights next); afterwards they are
+        relaunched with the training settings, again at the base weights (push them again)."""
+        if not self.can_relaunch:
+            raise RuntimeError("attached SGLang servers (engine.sglang.urls) are never relaunched by Canopy")
+        training = (self.context_length, self.rope_scaling)
+        try:
+            self._relaunch(context_length, rope_scaling)
+            yield self
+        finally:
+            self._relaunch(*training)
+
+    def _relaunch(self, context_length: int | None, rope_scaling: dict | None) -> None:
+        self._stop_servers()
+        self.servers = [self._launch(i, context_length, rope_scaling, self.seed) for i in range(len(self.servers))]
+        for server in self.servers:
+            self._wait_healthy(server)
+        self._verify_version("0")
+        self.context_length, self.rope_scaling, self.weight_version = context_length, rope_scaling, 0
+
+    def evaluation_seed(self, seed: int):
+        """SGLang's sampling state lives in the servers and is per request: nothing to save or restore."""
+        return contextlib.nullcontext()
+
     def close(self) -> None:
         """Stop the servers this engine launched (their whole process groups)."""
+        self._stop_servers()
+        if hasattr(self, "pool"):
+            self.pool.shutdown(wait=False, cancel_futures=True)
+
+    def _stop_servers(self) -> None:
         for server in self.servers:
             process = server.process
             if process is None or process.poll() is not None:
@@ -280,8 +324,6 @@ class SGLangEngine:
             except subprocess.TimeoutExpired:
                 os.killpg(process.pid, signal.SIGKILL)
                 process.wait()
-        if hasattr(self, "pool"):
-            self.pool.shutdown(wait=False, cancel_futures=True)
 
     # ---- generation ----------------------------------------------------------------------------------------------
 

@@ -1,0 +1,89 @@
+"""A fake SGLang 0.5.x HTTP server (stdlib only, in a thread) for the engine tests; `tests/fake_sglang_launch/`
+runs it as `python -m sglang.launch_server` so that launching and relaunching can be tested too."""
+
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+
+class FakeSGLang:
+    """Records every (path, body); /generate replies `reply_ids` (cut at max_new_tokens) stamped with the version
+    the last weight update set. `failures` scripts the next /generate replies: abort, 500, 400 or drop."""
+
+    def __init__(self, reply_ids=(7, 8, 2), delay=0.0, port=0):
+        self.reply_ids, self.delay = list(reply_ids), delay
+        self.calls: list[tuple[str, dict | None]] = []
+        self.failures: list[str] = []
+        self.fail_prefix: list[int] | None = None  # /generate of prompts starting with these ids answers 500
+        self.version, self.report_version = "default", None
+        self.lock = threading.Lock()
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_GET(self):
+                fake.handle(self, None)
+
+            def do_POST(self):
+                fake.handle(self, json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", port), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def stop(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+    def paths(self, since=0):
+        return [path for path, _ in self.calls[since:]]
+
+    def bodies(self, path):
+        return [body for p, body in self.calls if p == path]
+
+    def handle(self, request, body):
+        path = request.path
+        with self.lock:
+            self.calls.append((path, body))
+            failure = self.failures.pop(0) if path == "/generate" and self.failures else None
+        if path == "/generate":
+            time.sleep(self.delay)
+            if failure == "drop":
+                request.close_connection = True
+                return
+            failing_prompt = self.fail_prefix and body["input_ids"][: len(self.fail_prefix)] == self.fail_prefix
+            if failure in ("500", "400") or failing_prompt:
+                return self.reply(request, {"error": {"message": "boom"}}, int(failure or 500))
+            return self.reply(request, self.generation(body, aborted=failure == "abort"))
+        if path == "/model_info":
+            return self.reply(request, {"weight_version": self.version, "model_path": "x"})
+        if body and body.get("weight_version") is not None:
+            self.version = body["weight_version"]
+        return self.reply(request, {"success": True, "message": "ok"})
+
+    def generation(self, body, aborted):
+        params = body["sampling_params"]
+        ids = self.reply_ids[: params["max_new_tokens"]]
+        finish = {"type": "length", "length": len(ids)}
+        if ids[-1] in params["stop_token_ids"]:
+            finish = {"type": "stop", "matched": ids[-1]}
+        if aborted:
+            finish = {"type": "abort", "message": "Abort before prefill"}
+        meta = {
+            "finish_reason": finish,
+            "weight_version": self.report_version or self.version,
+            "output_token_logprobs": [[-(k + 1) / 4, t, None] for k, t in enumerate(ids)],
+        }
+        return {"text": "", "output_ids": ids, "meta_info": meta}
+
+    @staticmethod
+    def reply(request, payload, status=200):
+        data = json.dumps(payload).encode()
+        request.send_response(status)
+        request.send_header("Content-Type", "application/json")
+        request.send_header("Content-Length", str(len(data)))
+        request.end_headers()
+        request.wfile.write(data)
