@@ -110,7 +110,7 @@ def test_budget_transfer_evaluates_both_budgets_with_the_runs_own_engine(tiny_pa
     cfg = config(f"model.path={tiny_path}")
     run_config = OmegaConf.create({k: cfg[k] for k in ("seed", "budget", "sampling")})
     run_config.budget.max_turns = 2  # keep the untrained model's episodes short
-    callback = BudgetTransferEval(run_config, enlarged_budget="embedded_enlarged", split="test", k=1)
+    callback = BudgetTransferEval(run_config, cfg.eval.enlarged, split="test", k=1)
     callback.configs["enlarged_budget"].budget.max_turns = 3
     callback.configs["enlarged_budget"].budget.max_response_tokens = 48
     tokenizer = AutoTokenizer.from_pretrained(tiny_path)

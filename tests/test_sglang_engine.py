@@ -333,12 +333,10 @@ def test_engine_config_validation_and_build(tiny_path, tokenizer, tmp_path, fake
 
 def budget_transfer(tmp_path, engine, tokenizer, every_n_steps=0):
     """The budget-transfer callback lent `engine`, with short budgets, and a trainer / module stand-in at step 5."""
-    cfg = config()
+    cfg = config("budget@eval.enlarged=enlarged")
     run_config = OmegaConf.create({k: cfg[k] for k in ("seed", "budget", "sampling")})
     run_config.budget.max_turns = 2
-    callback = BudgetTransferEval(
-        run_config, enlarged_budget="enlarged", split="test", k=1, every_n_steps=every_n_steps
-    )
+    callback = BudgetTransferEval(run_config, cfg.eval.enlarged, split="test", every_n_steps=every_n_steps)
     callback.configs["enlarged_budget"].budget.max_turns = 2  # the enlarged budget keeps its YaRN and 61,440 tokens
     datamodule = SimpleNamespace(engine=engine, env=EmbeddedEnvironment(), tokenizer=tokenizer)
     datamodule.max_quarantine_fraction = 0.5

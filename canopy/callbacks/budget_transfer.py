@@ -9,7 +9,7 @@ import lightning as L
 from omegaconf import DictConfig, OmegaConf
 
 from canopy.build import build_budget, build_sampling
-from canopy.eval.runner import budget_label, evaluation, load_budget, sample_runs, with_budget, write_results
+from canopy.eval.runner import budget_label, evaluation, sample_runs, with_budget, write_results
 from canopy.tools.plots import plot_budget_transfer
 
 
@@ -17,7 +17,8 @@ class BudgetTransferEval(L.Callback):
     """Logs `eval/{training,enlarged}_budget/tgc_<all|tierK>` (mean@k TGC); at the end writes
     `budget_transfer.{json,md}` and `fig5_budget_transfer.png` in the run directory.
 
-    `run_config` holds the run's `seed`, `budget` and `sampling`; `enlarged_budget` names a `conf/budget/` file.
+    `run_config` holds the run's `seed`, `budget` and `sampling`; `enlarged` the enlarged budget's `budget` and
+    `sampling`, as Hydra composes them (`budget@eval.enlarged=<conf/budget name>`).
     It evaluates with the run's own engine, lent by the data module, and never builds one: `engine.at_budget`
     gives the engine for each budget (the local engine: itself, or an in-process sibling with YaRN), sampling
     with the run's seed without moving the training sampler. SGLang servers launched for the training budget
@@ -30,14 +31,16 @@ class BudgetTransferEval(L.Callback):
     def __init__(
         self,
         run_config: DictConfig,
-        enlarged_budget: str = "enlarged",
+        enlarged: DictConfig,
         split: str = "dev",
         k: int = 1,
         every_n_steps: int = 0,
         at_end: bool = True,
     ):
-        enlarged = with_budget(run_config, load_budget(enlarged_budget))
-        self.configs = {"training_budget": OmegaConf.merge(run_config), "enlarged_budget": enlarged}
+        self.configs = {
+            "training_budget": OmegaConf.merge(run_config),
+            "enlarged_budget": with_budget(run_config, enlarged),
+        }
         self.split, self.k, self.every_n_steps, self.at_end = split, k, every_n_steps, at_end
         self.last: tuple[int, list[dict]] = (-1, [])
         self.skipped: set[str] = set()  # roles whose evaluation this engine cannot serve now (said once)

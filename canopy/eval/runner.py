@@ -15,17 +15,6 @@ from canopy.modules.policy import iter_hf_weights, load_policy
 from canopy.rollout.agent_loop import run_episodes
 from canopy.rollout.faults import check_systemic_faults
 
-CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
-
-
-def load_budget(name: str) -> DictConfig:
-    """`conf/budget/<name>.yaml` as {budget, sampling}, e.g. the enlarged budget of Table 2."""
-    path = CONF_DIR / "budget" / f"{name}.yaml"
-    if not path.is_file():
-        options = sorted(p.stem for p in path.parent.glob("*.yaml"))
-        raise ConfigError(f"budget {name!r} has no conf/budget/{name}.yaml: use one of {', '.join(options)}")
-    return OmegaConf.load(path)
-
 
 def with_budget(cfg: DictConfig, budget_cfg: DictConfig) -> DictConfig:
     """A copy of the run config whose budget and sampling are `budget_cfg`'s."""
