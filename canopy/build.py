@@ -8,6 +8,7 @@ from transformers import AutoTokenizer
 
 from canopy.config import ConfigError
 from canopy.datamodules.rollout import RolloutDataModule
+from canopy.envs import environment_factory, environment_kwargs
 from canopy.envs.pool import EnvironmentPool, PoolSettings
 from canopy.envs.worker import build_environment
 from canopy.modules.canopy_module import CanopyModule
@@ -30,32 +31,12 @@ def ensure_model(cfg: DictConfig) -> str:
     return str(path)
 
 
-ENVIRONMENT_FACTORIES = {
-    "embedded": "canopy.envs.embedded:EmbeddedEnvironment",
-    "python_tasks": "canopy.envs.python_tasks:PythonTaskEnvironment",
-    "appworld": "canopy.envs.appworld:AppWorldEnvironment",
-}
-
-
 def build_env(cfg: DictConfig, log_dir: str | Path | None = None):
-    """The environment, in-process, or behind a pool of isolated worker processes when `env.pool.workers > 0`
-    (keeping the logs of faulted workers and servers in `log_dir`, e.g. the run's `env_logs/`)."""
-    if cfg.env.name not in ENVIRONMENT_FACTORIES:
-        raise ConfigError(
-            f"env.name={cfg.env.name!r} has no environment in this build yet: use one of "
-            f"{', '.join(ENVIRONMENT_FACTORIES)}"
-        )
-    factory = ENVIRONMENT_FACTORIES[cfg.env.name]
-    kwargs = {}
-    if cfg.env.name == "python_tasks":
-        kwargs = {"sandbox": OmegaConf.to_container(cfg.env.sandbox)}
-    if cfg.env.name == "appworld":  # one live world per process: always behind the pool (validated)
-        if not cfg.env.pool.workers:
-            raise ConfigError(
-                "env.name=appworld needs env.pool.workers >= 1 (AppWorld holds one world per process), e.g. "
-                "env.pool.workers=64"
-            )
-        kwargs = OmegaConf.to_container(cfg.env.appworld, resolve=True)
+    """The environment `canopy.envs.<env.name>` (its keys checked), in-process, or behind a pool of isolated worker
+    processes when `env.pool.workers > 0` (keeping the logs of faulted workers and servers in `log_dir`, e.g. the
+    run's `env_logs/`)."""
+    kwargs = environment_kwargs(cfg.env)
+    factory = environment_factory(cfg.env.name)
     if cfg.env.pool.workers:
         return EnvironmentPool(factory, kwargs, PoolSettings(**OmegaConf.to_container(cfg.env.pool)), log_dir=log_dir)
     return build_environment(factory, kwargs)

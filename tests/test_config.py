@@ -165,3 +165,15 @@ def test_quarantine_threshold_is_validated():
         with pytest.raises(ConfigError, match="env.max_quarantine_fraction"):
             validate(config(f"env.max_quarantine_fraction={value}"))
     validate(config("env.max_quarantine_fraction=1.0"))
+
+
+def test_environments_and_engines_are_config_groups_over_one_registry():
+    from canopy.envs import available, environment_factory
+
+    assert available() == ["appworld", "embedded", "python_tasks"]  # the modules of canopy/envs/ defining ENVIRONMENT
+    assert environment_factory("python_tasks") == "canopy.envs.python_tasks:PythonTaskEnvironment"
+    appworld = config("env=appworld", "engine=sglang")
+    assert (appworld.env.name, appworld.env.pool.workers, appworld.engine.name) == ("appworld", 64, "sglang")
+    assert config("env=python_tasks").env.name == config("env.name=python_tasks").env.name == "python_tasks"
+    with pytest.raises(ConfigError, match="model.family='llama' has no model in this build yet: use one of qwen3"):
+        validate(config("model.family=llama"))

@@ -313,3 +313,41 @@ class AppWorldEnvironment:
 
     def start(self, task: Task, seed: int) -> AppWorldEpisode:
         return AppWorldEpisode(self, task, seed)
+
+
+ENVIRONMENT = AppWorldEnvironment
+
+
+def environment_kwargs(env) -> dict:
+    """`env.appworld.*` (the AppWorld venv, the data root, and timeouts nested inside the pool's), checked: the
+    keyword arguments of `AppWorldEnvironment`."""
+    from canopy.config import require
+
+    aw, pool = env.appworld, env.pool
+    require(
+        pool.workers >= 1,
+        f"env.pool.workers={pool.workers}: AppWorld holds one world per process, so it runs behind the pool; set "
+        "env.pool.workers >= 1 (e.g. 64)",
+    )
+    require(
+        aw.python is not None and Path(aw.python).is_file(),
+        f"env.appworld.python '{aw.python}' not found: run `make appworld` (or point env.appworld.python / "
+        "CANOPY_APPWORLD_PYTHON at AppWorld's venv python)",
+    )
+    require(
+        aw.root is not None and (Path(aw.root) / "data" / "tasks").is_dir(),
+        f"env.appworld.root '{aw.root}' has no data/tasks: download the data (`appworld download data --root DIR`, "
+        "README) and pass env.appworld.root=DIR (or export APPWORLD_ROOT)",
+    )
+    for key in ("cell_timeout_s", "request_timeout_s", "start_timeout_s", "max_observation_chars"):
+        require(aw[key] > 0, f"env.appworld.{key}={aw[key]} must be > 0")
+    slowest = max(aw.cell_timeout_s + 15, aw.start_timeout_s) + aw.request_timeout_s
+    require(
+        pool.request_timeout_s > slowest,
+        f"env.pool.request_timeout_s={pool.request_timeout_s} must exceed {slowest} s (a step runs a cell, or a "
+        "start boots a server, then one more AppWorld request), or the agent's slow code would be blamed on the worker",
+    )
+    return {
+        key: aw[key]
+        for key in ("python", "root", "cell_timeout_s", "request_timeout_s", "start_timeout_s", "max_observation_chars")
+    }

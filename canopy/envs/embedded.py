@@ -105,3 +105,6 @@ class EmbeddedEnvironment:
 
     def start(self, task: Task, seed: int) -> VaultEpisode:
         return VaultEpisode(task)
+
+
+ENVIRONMENT = EmbeddedEnvironment

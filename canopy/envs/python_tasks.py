@@ -104,3 +104,11 @@ class PythonTaskEnvironment:
 
     def start(self, task: Task, seed: int) -> PythonTaskEpisode:
         return PythonTaskEpisode(task, self.scratch_root, self.limits, self.max_observation_chars)
+
+
+ENVIRONMENT = PythonTaskEnvironment
+
+
+def environment_kwargs(env) -> dict:
+    """The sandbox limits (`env.sandbox.*`, checked with the serving layer's keys)."""
+    return {"sandbox": {key: env.sandbox[key] for key in env.sandbox}}

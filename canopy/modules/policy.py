@@ -28,6 +28,9 @@ from canopy.config import ConfigError
 _INIT = {"weight": partial(torch.nn.init.normal_, std=0.02), "bias": torch.nn.init.zeros_}
 
 
+MODEL_FAMILIES = ("qwen3",)  # model.family: what load_policy builds (TorchTitan Qwen3)
+
+
 def read_hf_config(path: str | Path) -> dict:
     config_file = Path(path) / "config.json"
     if not config_file.is_file():

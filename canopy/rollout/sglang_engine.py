@@ -66,6 +66,59 @@ class SGLangSettings:
     max_retries: int = 3
     startup_timeout_s: float = 900.0
 
+    def validate(self, accelerator: str) -> None:
+        """Launch (python) or attach (urls), ports, sizes, weight sync and request limits: one line naming the fix
+        on the first bad value."""
+        from canopy.config import is_int, require
+
+        urls = list(self.urls or [])
+        require(
+            bool(urls) or bool(self.python),
+            "engine.sglang.python is not set: point it at the SGLang venv's python (or export CANOPY_SGLANG_PYTHON), "
+            "or attach to running servers with engine.sglang.urls=[http://host:port]",
+        )
+        require(
+            all(isinstance(u, str) and u.startswith(("http://", "https://")) for u in urls),
+            f"engine.sglang.urls={urls}: each must be a server URL like http://host:30000",
+        )
+        for key in ("num_servers", "tp_size", "concurrency", "base_port", "sync_master_port"):
+            require(
+                is_int(getattr(self, key)) and getattr(self, key) >= 1,
+                f"engine.sglang.{key}={getattr(self, key)} must be a positive integer",
+            )
+        require(
+            is_int(self.base_gpu_id) and self.base_gpu_id >= 0,
+            f"engine.sglang.base_gpu_id={self.base_gpu_id} must be >= 0",
+        )
+        require(
+            isinstance(self.mem_fraction, (int, float)) and 0 < self.mem_fraction < 1,
+            f"engine.sglang.mem_fraction={self.mem_fraction} must lie in (0, 1), e.g. 0.8",
+        )
+        require(
+            self.weight_sync in ("disk", "distributed"),
+            f"engine.sglang.weight_sync={self.weight_sync!r} is unknown: use disk or distributed",
+        )
+        require(
+            self.sync_backend in ("nccl", "gloo"),
+            f"engine.sglang.sync_backend={self.sync_backend!r} is unknown: use nccl or gloo",
+        )
+        require(
+            not (self.weight_sync == "distributed" and self.sync_backend == "nccl" and accelerator == "cpu"),
+            "engine.sglang.weight_sync=distributed over nccl broadcasts from the trainer's GPU: set "
+            "trainer.accelerator=gpu, "
+            "or use engine.sglang.weight_sync=disk",
+        )
+        require(self.sync_dir is not None, "engine.sglang.sync_dir is not set: give a directory the servers can read")
+        for key in ("request_timeout_s", "startup_timeout_s"):
+            require(
+                isinstance(getattr(self, key), (int, float)) and getattr(self, key) > 0,
+                f"engine.sglang.{key}={getattr(self, key)} must be > 0 seconds",
+            )
+        require(
+            is_int(self.max_retries) and self.max_retries >= 0,
+            f"engine.sglang.max_retries={self.max_retries} must be >= 0",
+        )
+
 
 class StaleSampleError(RuntimeError):
     """A server returned a sample from weights other than the engine's current version (strict on-policy violated)."""
