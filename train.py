@@ -8,7 +8,7 @@ import lightning as L
 from lightning.pytorch.loggers import TensorBoardLogger
 from omegaconf import DictConfig, OmegaConf
 
-from canopy.build import build_datamodule, build_module, build_strategy, ensure_model
+from canopy.build import build_datamodule, build_engine_handle, build_module, build_strategy, ensure_model
 from canopy.callbacks import build_callbacks
 from canopy.config import ConfigError, validate
 from canopy.envs.base import SystemicFaultError
@@ -26,8 +26,9 @@ def main(cfg: DictConfig) -> None:
     try:
         validate(cfg)
         model_path = ensure_model(cfg)
-        datamodule = build_datamodule(cfg, model_path, log_dir=run_dir / "env_logs")
-        module = build_module(cfg, model_path)
+        engine = build_engine_handle(cfg, model_path)  # the run's one engine, lent to the data and the module
+        datamodule = build_datamodule(cfg, model_path, engine, log_dir=run_dir / "env_logs")
+        module = build_module(cfg, model_path, engine)
         strategy = build_strategy(cfg)
         callbacks = build_callbacks(cfg)
     except ConfigError as error:

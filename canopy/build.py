@@ -14,7 +14,7 @@ from canopy.envs.worker import build_environment
 from canopy.modules.canopy_module import CanopyModule
 from canopy.modules.parallel import ParallelSettings
 from canopy.rollout.agent_loop import Budget
-from canopy.rollout.engine import LocalEngine, SamplingParams
+from canopy.rollout.engine import EngineHandle, LocalEngine, SamplingParams
 from canopy.rollout.sglang_engine import SGLangEngine, SGLangSettings
 from canopy.tools.tiny_model import build_tiny_checkpoint
 
@@ -74,12 +74,20 @@ def build_sampling(cfg: DictConfig) -> SamplingParams:
     return SamplingParams(temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p, top_k=cfg.sampling.top_k)
 
 
-def build_datamodule(cfg: DictConfig, model_path: str, log_dir: str | Path | None = None) -> RolloutDataModule:
+def build_engine_handle(cfg: DictConfig, model_path: str) -> EngineHandle:
+    """The run's one engine, built on first use by the generating rank only (see `EngineHandle`)."""
     tokenizer = AutoTokenizer.from_pretrained(model_path)
+    return EngineHandle(lambda: build_engine(cfg, model_path, tokenizer))
+
+
+def build_datamodule(
+    cfg: DictConfig, model_path: str, engine: EngineHandle | None = None, log_dir: str | Path | None = None
+) -> RolloutDataModule:
+    """The rollout data module, generating with `engine` (the run's handle; a new one when not given)."""
     return RolloutDataModule(
         build_env(cfg, log_dir),
-        lambda: build_engine(cfg, model_path, tokenizer),  # built on first use, by the generating rank only
-        tokenizer,
+        engine or build_engine_handle(cfg, model_path),
+        AutoTokenizer.from_pretrained(model_path),
         split=cfg.data.split,
         tasks_per_step=cfg.data.tasks_per_step,
         group_size=cfg.algorithm.group_size,
@@ -94,7 +102,8 @@ def build_datamodule(cfg: DictConfig, model_path: str, log_dir: str | Path | Non
     )
 
 
-def build_module(cfg: DictConfig, model_path: str) -> CanopyModule:
+def build_module(cfg: DictConfig, model_path: str, engine: EngineHandle | None = None) -> CanopyModule:
+    """The LightningModule, pushing its weights into `engine` (the handle its data module generates with)."""
     a, o = cfg.algorithm, cfg.optim
     return CanopyModule(
         model_path,
@@ -111,6 +120,7 @@ def build_module(cfg: DictConfig, model_path: str) -> CanopyModule:
         temperature=cfg.sampling.temperature,
         micro_batch_tokens=cfg.trainer.micro_batch_tokens,
         parallel=ParallelSettings(**cfg.parallelism),
+        engine=engine,
         seed=cfg.seed,
     )
 

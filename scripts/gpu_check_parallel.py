@@ -90,22 +90,25 @@ def run_worker(args) -> None:
 
     from canopy.modules.canopy_module import CanopyModule
     from canopy.modules.parallel import ParallelSettings
+    from canopy.rollout.engine import EngineHandle
 
     shape = CPU_MODEL if args.cpu_dry_run else GPU_MODEL
     world = args.dp * args.tp * args.cp
 
-    class SyntheticRollouts(L.LightningDataModule):
-        """Stands in for RolloutDataModule: a fresh batch at the trainer's weight version, weights only walked."""
+    class WalkWeights:
+        """Stands in for the engine: takes the weights (walks the stream), keeps nothing."""
 
-        trainer_version = 0
-
-        def train_dataloader(self):
-            return (synthetic_batch(shape, step, self.trainer_version) for step in range(args.steps))
-
-        def sync_weights(self, named_tensors, version):
+        def update_weights(self, named_tensors, version):
             for _ in named_tensors:
                 pass
-            self.trainer_version = version
+
+    engine = EngineHandle(WalkWeights())
+
+    class SyntheticRollouts(L.LightningDataModule):
+        """Stands in for RolloutDataModule: a fresh batch at the weight version the engine holds."""
+
+        def train_dataloader(self):
+            return (synthetic_batch(shape, step, engine.version) for step in range(args.steps))
 
     class Record(L.Callback):
         def __init__(self):
@@ -123,6 +126,7 @@ def run_worker(args) -> None:
         lr=1e-4,
         micro_batch_tokens=shape["micro_batch_tokens"],
         parallel=ParallelSettings(dp_shard=args.dp, tp=args.tp, cp=args.cp),
+        engine=engine,
     )
     record = Record()
     trainer = L.Trainer(

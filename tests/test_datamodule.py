@@ -87,7 +87,7 @@ def test_next_batch_runs_groups_and_logs_metrics(tokenizer):
 def test_stale_weight_version_is_refused(tokenizer):
     engine = ScriptedEngine(tokenizer, ["login"])
     dm = datamodule(tokenizer, engine)
-    dm.sync_weights(iter(()), version=1)
+    dm.engine_handle.sync(iter(()), 1, generating=True)
     assert next(iter(dm.train_dataloader())).weight_version == 1
     engine.weight_version = 0  # the engine missed a sync: its samples come from older weights
     with pytest.raises(StaleWeightsError, match="version"):

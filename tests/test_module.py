@@ -41,7 +41,7 @@ def make(tiny_path, tokenizer, seed=0, **module_args):
         sampling=SamplingParams(temperature=1.0),
         seed=seed,
     )
-    module = CanopyModule(str(tiny_path), lr=1e-3, temperature=1.0, seed=seed, **module_args)
+    module = CanopyModule(str(tiny_path), lr=1e-3, temperature=1.0, seed=seed, engine=dm.engine_handle, **module_args)
     return dm, module
 
 

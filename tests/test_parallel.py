@@ -74,9 +74,9 @@ def test_only_global_rank_zero_builds_the_engine(tokenizer):
     weights = [("w", torch.zeros(1))]
     other, zero = datamodule(tokenizer, Engine), datamodule(tokenizer, Engine)  # the class is the builder
     other.trainer, zero.trainer = SimpleNamespace(is_global_zero=False), SimpleNamespace(is_global_zero=True)
-    other.sync_weights(iter(weights), 1)
+    other.engine_handle.sync(iter(weights), 1, generating=False)
     state = zero.state_dict()  # rank 0's checkpoint state, which every rank loads on resume
     other.load_state_dict(state)
     assert built == [zero.engine] and "engine_rng" not in other.state_dict() and other.trainer_version == 1
-    zero.sync_weights(iter(weights), 1)
+    zero.engine_handle.sync(iter(weights), 1, generating=True)
     assert built == [zero.engine] and zero.engine.version == 1 and "engine_rng" in state

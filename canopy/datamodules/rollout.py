@@ -9,7 +9,6 @@ against the trainer's before the batch is handed over.
 import functools
 import random
 from collections import Counter, defaultdict
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import lightning as L
@@ -19,7 +18,7 @@ from canopy.coverage import group_composition
 from canopy.envs.base import Environment, SystemicFaultError, Task
 from canopy.objective import step_advantages
 from canopy.rollout.agent_loop import Budget, Trajectory, run_episodes
-from canopy.rollout.engine import SamplingParams
+from canopy.rollout.engine import EngineHandle, SamplingParams
 from canopy.rollout.faults import check_systemic_faults
 
 
@@ -237,8 +236,8 @@ class RolloutStream:
 class RolloutDataModule(L.LightningDataModule):
     """Samples `tasks_per_step` tasks, runs `group_size` rollouts of each, scores and packs them.
 
-    `engine` is the inference engine or a zero-argument function that builds it on first use: with several
-    processes only global rank 0 generates, so the other ranks never build one.
+    `engine` is the run's `EngineHandle` (or an engine, or a zero-argument function that builds one, wrapped in
+    a handle here): with several processes only global rank 0 generates, so the other ranks never build one.
     """
 
     def __init__(
@@ -260,13 +259,13 @@ class RolloutDataModule(L.LightningDataModule):
         seed: int = 0,
     ):
         super().__init__()
-        self.env, self._engine, self.tokenizer = env, engine, tokenizer
+        self.env, self.tokenizer = env, tokenizer
+        self.engine_handle = engine if isinstance(engine, EngineHandle) else EngineHandle(engine)
         self.group_size, self.tasks_per_step = group_size, tasks_per_step
         self.budget, self.sampling, self.reward = budget, sampling, reward
         self.quarantine_as_failure, self.max_quarantine_fraction = quarantine_as_failure, max_quarantine_fraction
         self.seed = seed
         self.split, self.drop_hardest, self.hardest_tier = split, drop_hardest, hardest_tier
-        self.trainer_version = 0  # the weight version the trainer holds; bumped by `sync_weights`
         self.sampler_state = {"epoch": 0, "position": 0}
         self.step = 0
 
@@ -288,9 +287,13 @@ class RolloutDataModule(L.LightningDataModule):
 
     @property
     def engine(self):
-        if callable(self._engine):
-            self._engine = self._engine()
-        return self._engine
+        """The run's engine (built on first use): only the generating process asks for it."""
+        return self.engine_handle.engine
+
+    @property
+    def trainer_version(self) -> int:
+        """The weight version the trainer last pushed into the engine: every sample must carry it."""
+        return self.engine_handle.version
 
     @property
     def generates(self) -> bool:
@@ -313,17 +316,6 @@ class RolloutDataModule(L.LightningDataModule):
         self.sampler_state, self.step = dict(state["sampler"]), state["step"]
         if "engine_rng" in state and self.generates:
             self.engine.generator.set_state(state["engine_rng"])
-
-    def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        """Stream the trainer's new weights (HF names) to the engine; later samples must carry `version`.
-        With several processes every rank walks the stream (gathering is collective); only rank 0's engine
-        generates, so only it keeps the tensors."""
-        if self.generates:
-            self.engine.update_weights(named_tensors, version)
-        else:
-            for _ in named_tensors:
-                pass
-        self.trainer_version = version
 
     def sample_tasks(self) -> list[Task]:
         """Walk a seeded shuffle of the pool epoch by epoch, as a dataloader over tasks would."""

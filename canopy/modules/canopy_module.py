@@ -22,6 +22,7 @@ from canopy.modules.parallel import (
 )
 from canopy.modules.policy import export_hf_state_dict, iter_hf_weights, load_policy, unwrap
 from canopy.objective import canopy_loss
+from canopy.rollout.engine import EngineHandle
 
 BENIGN_WARNINGS = (
     r"You are using the `dataloader_iter` step flavor",  # the step pulls its batch once the synced weights are in
@@ -58,10 +59,14 @@ class CanopyModule(L.LightningModule):
         temperature: float = 1.0,
         micro_batch_tokens: int = 16384,
         parallel: ParallelSettings | None = None,
+        engine: EngineHandle | None = None,
         seed: int = 0,
     ):
+        """`engine` is the run's engine handle, the one the data module generates with: after every optimizer
+        step the new weights go into it (`EngineHandle.sync`), before the next rollout is generated."""
         super().__init__()
-        self.save_hyperparameters(ignore=["parallel"])
+        self.save_hyperparameters(ignore=["parallel", "engine"])
+        self.engine = engine
         self.parallel = parallel or ParallelSettings()
         if self.parallel.cp > 1 and loss_aggregation != "token-mean":
             raise ConfigError(CP_SEQ_MEAN)
@@ -116,8 +121,8 @@ class CanopyModule(L.LightningModule):
 
     def on_train_start(self) -> None:
         """A resumed policy is ahead of the engine, which starts from the base checkpoint: sync it first."""
-        if self.weight_version != self.trainer.datamodule.trainer_version:
-            self.trainer.datamodule.sync_weights(self.iter_hf_weights(), self.weight_version)
+        if self.weight_version != self.engine.version:
+            self.engine.sync(self.iter_hf_weights(), self.weight_version, self.trainer.is_global_zero)
 
     def _logprobs(self, model: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         logits = model(inputs["tokens"], inputs["positions"])
@@ -226,7 +231,7 @@ class CanopyModule(L.LightningModule):
 
         started = time.perf_counter()
         self.weight_version += 1
-        self.trainer.datamodule.sync_weights(self.iter_hf_weights(), self.weight_version)
+        self.engine.sync(self.iter_hf_weights(), self.weight_version, self.trainer.is_global_zero)
         timings["time/weight_sync"] = time.perf_counter() - started
 
         self._log_step(batch, metrics, timings)

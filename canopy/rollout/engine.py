@@ -7,7 +7,7 @@ engines of their own.
 """
 
 import contextlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ContextManager, Protocol
@@ -82,6 +82,32 @@ class Engine(Protocol):
 
     def close(self) -> None:
         """Release what the engine started."""
+
+
+class EngineHandle:
+    """The run's one engine, owned once and lent out: built on first use, and only by the process that generates
+    (global rank 0; the other ranks of a sharded run never build one). The data module generates through it,
+    evaluators borrow it, and the module pushes its weights into it after every optimizer step with `sync`:
+    the one path from trainer to engine. `version` is the weight version the engine was last synced to."""
+
+    def __init__(self, engine: "Engine | Callable[[], Engine]"):
+        self._engine, self.version = engine, 0
+
+    @property
+    def engine(self) -> Engine:
+        if callable(self._engine):  # a builder (an engine object is not callable)
+            self._engine = self._engine()
+        return self._engine
+
+    def sync(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, generating: bool) -> None:
+        """Stream the trainer's weights (HF names) into the engine as `version`. Every process walks the stream
+        (gathering a sharded tensor is a collective); only the generating one builds the engine and keeps them."""
+        if generating:
+            self.engine.update_weights(named_tensors, version)
+        else:
+            for _ in named_tensors:
+                pass
+        self.version = version
 
 
 class LocalEngine:
