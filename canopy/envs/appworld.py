@@ -37,6 +37,7 @@ import subprocess
 import tempfile
 import time
 import uuid
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import httpx
@@ -51,6 +52,7 @@ from canopy.envs.base import (
     keep_fault_log,
     last_line,
 )
+from canopy.envs.pool import PoolSettings
 from canopy.envs.sandbox import confined, private_home
 
 SYSTEM_PROMPT = """\
@@ -318,36 +320,50 @@ class AppWorldEnvironment:
 ENVIRONMENT = AppWorldEnvironment
 
 
-def environment_kwargs(env) -> dict:
-    """`env.appworld.*` (the AppWorld venv, the data root, and timeouts nested inside the pool's), checked: the
-    keyword arguments of `AppWorldEnvironment`."""
-    from canopy.config import require
+@dataclass
+class AppWorldSettings:
+    """`env.appworld.*`: the keyword arguments of `AppWorldEnvironment` (conf/train.yaml documents each)."""
 
-    aw, pool = env.appworld, env.pool
-    require(
-        pool.workers >= 1,
-        f"env.pool.workers={pool.workers}: AppWorld holds one world per process, so it runs behind the pool; set "
-        "env.pool.workers >= 1 (e.g. 64)",
-    )
-    require(
-        aw.python is not None and Path(aw.python).is_file(),
-        f"env.appworld.python '{aw.python}' not found: run `make appworld` (or point env.appworld.python / "
-        "CANOPY_APPWORLD_PYTHON at AppWorld's venv python)",
-    )
-    require(
-        aw.root is not None and (Path(aw.root) / "data" / "tasks").is_dir(),
-        f"env.appworld.root '{aw.root}' has no data/tasks: download the data (`appworld download data --root DIR`, "
-        "README) and pass env.appworld.root=DIR (or export APPWORLD_ROOT)",
-    )
-    for key in ("cell_timeout_s", "request_timeout_s", "start_timeout_s", "max_observation_chars"):
-        require(aw[key] > 0, f"env.appworld.{key}={aw[key]} must be > 0")
-    slowest = max(aw.cell_timeout_s + 15, aw.start_timeout_s) + aw.request_timeout_s
-    require(
-        pool.request_timeout_s > slowest,
-        f"env.pool.request_timeout_s={pool.request_timeout_s} must exceed {slowest} s (a step runs a cell, or a "
-        "start boots a server, then one more AppWorld request), or the agent's slow code would be blamed on the worker",
-    )
-    return {
-        key: aw[key]
-        for key in ("python", "root", "cell_timeout_s", "request_timeout_s", "start_timeout_s", "max_observation_chars")
-    }
+    python: str | None = ".venv-appworld/bin/python"
+    root: str | None = None
+    cell_timeout_s: int = 100
+    request_timeout_s: float = 60.0
+    start_timeout_s: float = 120.0
+    max_observation_chars: int = 32768
+
+    def validate(self, pool: PoolSettings) -> None:
+        """The AppWorld venv, the data root, and timeouts nested inside the pool's: one line naming the fix on the
+        first bad value."""
+        from canopy.config import require
+
+        require(
+            pool.workers >= 1,
+            f"env.pool.workers={pool.workers}: AppWorld holds one world per process, so it runs behind the pool; set "
+            "env.pool.workers >= 1 (e.g. 64)",
+        )
+        require(
+            self.python is not None and Path(self.python).is_file(),
+            f"env.appworld.python '{self.python}' not found: run `make appworld` (or point env.appworld.python / "
+            "CANOPY_APPWORLD_PYTHON at AppWorld's venv python)",
+        )
+        require(
+            self.root is not None and (Path(self.root) / "data" / "tasks").is_dir(),
+            f"env.appworld.root '{self.root}' has no data/tasks: download the data (`appworld download data --root "
+            "DIR`, README) and pass env.appworld.root=DIR (or export APPWORLD_ROOT)",
+        )
+        for key in ("cell_timeout_s", "request_timeout_s", "start_timeout_s", "max_observation_chars"):
+            require(getattr(self, key) > 0, f"env.appworld.{key}={getattr(self, key)} must be > 0")
+        slowest = max(self.cell_timeout_s + 15, self.start_timeout_s) + self.request_timeout_s
+        require(
+            pool.request_timeout_s > slowest,
+            f"env.pool.request_timeout_s={pool.request_timeout_s} must exceed {slowest} s (a step runs a cell, or a "
+            "start boots a server, then one more AppWorld request), or the agent's slow code would be blamed on the "
+            "worker",
+        )
+
+
+def environment_kwargs(env) -> dict:
+    """`env.appworld.*`, checked against the pool's settings: `AppWorldEnvironment`'s keyword arguments."""
+    settings = AppWorldSettings(**env.get("appworld", {}))
+    settings.validate(PoolSettings(**env.pool))
+    return asdict(settings)

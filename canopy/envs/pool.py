@@ -48,7 +48,7 @@ from canopy.envs.base import (
     keep_fault_log,
     last_line,
 )
-from canopy.envs.sandbox import claim_uid, kill_uid, private_home
+from canopy.envs.sandbox import SandboxLimits, claim_uid, kill_uid, private_home
 from canopy.envs.worker import read_frame, write_frame
 
 
@@ -60,6 +60,29 @@ class PoolSettings:
     health_timeout_s: float = 10.0
     start_timeout_s: float = 120.0
     max_episodes_per_worker: int = 100
+
+    def validate(self, sandbox: SandboxLimits) -> None:
+        """`env.pool.*` (and the sandbox's limits, which must fit inside a worker's): one line naming the fix on the
+        first bad value."""
+        from canopy.config import is_int, require
+
+        require(
+            is_int(self.workers) and self.workers >= 0,
+            f"env.pool.workers={self.workers} must be 0 (in-process environment) or the number of worker processes",
+        )
+        for key in ("request_timeout_s", "health_timeout_s", "start_timeout_s", "memory_mb", "max_episodes_per_worker"):
+            require(getattr(self, key) > 0, f"env.pool.{key}={getattr(self, key)} must be > 0")
+        sandbox.validate()
+        require(
+            self.request_timeout_s > sandbox.wall_seconds + 5,
+            f"env.pool.request_timeout_s={self.request_timeout_s} must exceed env.sandbox.wall_seconds="
+            f"{sandbox.wall_seconds} by > 5 s, or the agent's slow code would be blamed on the worker",
+        )
+        require(
+            self.memory_mb > sandbox.memory_mb,
+            f"env.pool.memory_mb={self.memory_mb} must exceed env.sandbox.memory_mb={sandbox.memory_mb}: the "
+            "worker hosts the sandbox",
+        )
 
 
 class Worker:
@@ -318,31 +341,13 @@ class PooledEpisode:
 
 
 def check_serving(env) -> None:
-    """`env.max_quarantine_fraction`, `env.pool.*` and `env.sandbox.*`: one line naming the fix on the first bad
-    value."""
-    from canopy.config import is_int, require
+    """The serving layer's keys: `env.max_quarantine_fraction`, `env.sandbox.*`, then `env.pool.*` against them."""
+    from canopy.config import require
 
-    pool, sandbox = env.pool, env.sandbox
     require(
         isinstance(env.max_quarantine_fraction, (int, float)) and 0 < env.max_quarantine_fraction <= 1,
         f"env.max_quarantine_fraction={env.max_quarantine_fraction} must lie in (0, 1]: above this fraction of "
         "quarantined episodes a step stops the run as a broken setup (1 = only when every episode is)",
     )
-    require(
-        is_int(pool.workers) and pool.workers >= 0,
-        f"env.pool.workers={pool.workers} must be 0 (in-process environment) or the number of worker processes",
-    )
-    for key in ("request_timeout_s", "health_timeout_s", "start_timeout_s", "memory_mb", "max_episodes_per_worker"):
-        require(pool[key] > 0, f"env.pool.{key}={pool[key]} must be > 0")
-    for key in ("cpu_seconds", "wall_seconds", "memory_mb", "max_processes", "max_file_mb", "max_output_chars"):
-        require(sandbox[key] > 0, f"env.sandbox.{key}={sandbox[key]} must be > 0")
-    require(
-        pool.request_timeout_s > sandbox.wall_seconds + 5,
-        f"env.pool.request_timeout_s={pool.request_timeout_s} must exceed env.sandbox.wall_seconds="
-        f"{sandbox.wall_seconds} by > 5 s, or the agent's slow code would be blamed on the worker",
-    )
-    require(
-        pool.memory_mb > sandbox.memory_mb,
-        f"env.pool.memory_mb={pool.memory_mb} must exceed env.sandbox.memory_mb={sandbox.memory_mb}: the worker "
-        "hosts the sandbox",
-    )
+    sandbox = SandboxLimits(**env.sandbox)
+    PoolSettings(**env.pool).validate(sandbox)

@@ -46,6 +46,13 @@ class SandboxLimits:
     max_file_mb: int = 16
     max_output_chars: int = 4000
 
+    def validate(self) -> None:
+        """`env.sandbox.*`: one line naming the fix on the first bad value."""
+        from canopy.config import require
+
+        for key in ("cpu_seconds", "wall_seconds", "memory_mb", "max_processes", "max_file_mb", "max_output_chars"):
+            require(getattr(self, key) > 0, f"env.sandbox.{key}={getattr(self, key)} must be > 0")
+
 
 @dataclass(frozen=True)
 class ExecResult:
