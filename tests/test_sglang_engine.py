@@ -260,7 +260,9 @@ def test_trainer_side_process_group_broadcasts_to_a_peer(tmp_path):
                 "import torch\nfrom datetime import timedelta\n"
                 + inspect.getsource(init_custom_process_group)
                 + f"g = init_custom_process_group('gloo', 'tcp://127.0.0.1:{port}', 2, 1, 'canopy_test')\n"
-                "t = torch.zeros(3); torch.distributed.broadcast(t, src=0, group=g); print(t.tolist())"
+                "t = torch.zeros(3); torch.distributed.broadcast(t, src=0, group=g); print(t.tolist(), flush=True)\n"
+                # leave without tearing down gloo's threads: at interpreter exit that can abort (seen once under load)
+                "import os; os._exit(0)"
             ),
         ],
         stdout=subprocess.PIPE,
