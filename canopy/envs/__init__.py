@@ -18,7 +18,9 @@ def environment_module(name: str):
 
     try:
         module = importlib.import_module(f"{__name__}.{name}")
-    except ModuleNotFoundError:
+    except ModuleNotFoundError as error:
+        if error.name != f"{__name__}.{name}":
+            raise  # the environment exists but a package it needs is missing: say that, not "no environment"
         module = None
     if module is None or not hasattr(module, "ENVIRONMENT"):
         raise ConfigError(
