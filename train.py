@@ -12,6 +12,7 @@ from canopy.build import build_datamodule, build_engine_handle, build_module, bu
 from canopy.callbacks import build_callbacks
 from canopy.config import ConfigError, validate
 from canopy.envs.base import SystemicFaultError
+from canopy.mismatch import OffPolicyError
 from canopy.modules.canopy_module import silence_benign_warnings
 from canopy.modules.checkpoint import AtomicCheckpoint
 from canopy.modules.policy import save_hf_checkpoint
@@ -34,12 +35,13 @@ def main(cfg: DictConfig) -> None:
     except ConfigError as error:
         sys.exit(f"config error: {error}")
     L.seed_everything(cfg.seed, workers=True)
+    updates = module.updates_per_batch  # Lightning counts optimizer steps; the config counts rollout steps
     logger = TensorBoardLogger(run_dir, name="tensorboard", version="")
     if cfg.checkpoint.every_n_steps:
         callbacks.append(
             AtomicCheckpoint(
                 dirpath=run_dir / "checkpoints",
-                every_n_train_steps=cfg.checkpoint.every_n_steps,
+                every_n_train_steps=cfg.checkpoint.every_n_steps * updates,
                 save_top_k=-1,
                 save_last=True,
                 filename="step{step}",
@@ -51,7 +53,7 @@ def main(cfg: DictConfig) -> None:
         devices=cfg.trainer.devices,
         strategy=strategy,
         precision=cfg.trainer.precision,
-        max_steps=cfg.trainer.max_steps,
+        max_steps=cfg.trainer.max_steps * updates,
         logger=logger,
         log_every_n_steps=1,
         enable_checkpointing=bool(cfg.checkpoint.every_n_steps),
@@ -65,9 +67,11 @@ def main(cfg: DictConfig) -> None:
     try:
         base = success_by_tier(datamodule, samples, "evaluating base policy") if samples else None
         trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.checkpoint.resume)
-    except SystemicFaultError as error:  # every rank stops; rank 0 says why
+    except (SystemicFaultError, OffPolicyError, ConfigError) as error:  # every rank stops; rank 0 says why
         datamodule.teardown("fit")
-        sys.exit(f"environment error: {error}" if trainer.is_global_zero else 1)
+        engine.close()
+        kind = {SystemicFaultError: "environment error", OffPolicyError: "off-policy"}.get(type(error), "config error")
+        sys.exit(f"{kind}: {error}" if trainer.is_global_zero else 1)
 
     final_weights = module.export_hf_state_dict()  # a collective when sharded: every rank takes part
     if not trainer.is_global_zero:
@@ -77,6 +81,7 @@ def main(cfg: DictConfig) -> None:
     if base is not None:
         final = success_by_tier(datamodule, samples, "evaluating final policy")
         print(f"\nSuccess on the training tasks ({samples} samples per task):\n{write_summary(run_dir, base, final)}")
+    engine.close()
     print(
         f"\nfinal policy (HF format): {final_dir}\nplots: {', '.join(p.name for p in plots)}\nTensorBoard: "
         f"tensorboard --logdir {logger.log_dir}"

@@ -50,7 +50,8 @@ def run_variant(name: str, steps: int, eval_k: int, out_dir: Path, extra: list[s
 def diagnostics(name: str, run_dir: Path) -> dict:
     """Table A2's training-log quantities at the last step, plus dev TGC from the budget-transfer callback."""
     s = read_scalars(run_dir / "tensorboard")
-    last = {key: s[key][-1][1] for key in ("reward/success", "actor/entropy", "actor/pg_clipfrac", "actor/grad_norm")}
+    keys = ("reward/success", "actor/entropy", "actor/pg_clipfrac", "actor/grad_norm", "mismatch/logprob_gap")
+    last = {key: s[key][-1][1] for key in keys}
     grad_norms = [v for _, v in s["actor/grad_norm"]]
     row = {
         "variant": name,
@@ -59,6 +60,7 @@ def diagnostics(name: str, run_dir: Path) -> dict:
         "clipfrac": last["actor/pg_clipfrac"],
         "grad_norm_mean": sum(grad_norms) / len(grad_norms),
         "grad_norm_final": last["actor/grad_norm"],
+        "engine_gap": last["mismatch/logprob_gap"],
     }
     transfer = run_dir / "budget_transfer.json"
     if transfer.is_file():
@@ -70,14 +72,14 @@ def diagnostics(name: str, run_dir: Path) -> dict:
 def format_table(rows: list[dict], eval_k: int) -> str:
     lines = [
         f"| Variant | train success | dev TGC m@{eval_k} | entropy | clip frac | grad norm (mean) | grad norm "
-        "(final) |",
-        "|---|---|---|---|---|---|---|",
+        "(final) | engine gap |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         dev = f"{100 * r['dev_tgc']:.1f}" if "dev_tgc" in r else "-"
         lines.append(
             f"| {r['variant']} | {r['train_success']:.3f} | {dev} | {r['entropy']:.3f} | {r['clipfrac']:.2g} | "
-            f"{r['grad_norm_mean']:.3g} | {r['grad_norm_final']:.3g} |"
+            f"{r['grad_norm_mean']:.3g} | {r['grad_norm_final']:.3g} | {r['engine_gap']:.2g} |"
         )
     return "\n".join(lines)
 

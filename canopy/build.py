@@ -11,11 +11,12 @@ from canopy.datamodules.rollout import RolloutDataModule
 from canopy.envs import environment_factory, environment_kwargs
 from canopy.envs.pool import EnvironmentPool, PoolSettings
 from canopy.envs.worker import build_environment
+from canopy.mismatch import RolloutCorrection
 from canopy.modules.canopy_module import CanopyModule
 from canopy.modules.parallel import ParallelSettings
 from canopy.rollout.agent_loop import Budget
 from canopy.rollout.engine import EngineHandle, LocalEngine, SamplingParams
-from canopy.rollout.sglang_engine import SGLangEngine, SGLangSettings
+from canopy.rollout.sglang_engine import SGLangEngine, SGLangSettings, serving_dtype
 from canopy.tools.tiny_model import build_tiny_checkpoint
 
 
@@ -74,20 +75,31 @@ def build_sampling(cfg: DictConfig) -> SamplingParams:
     return SamplingParams(temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p, top_k=cfg.sampling.top_k)
 
 
+def engine_dtype(cfg: DictConfig, model_path: str) -> str:
+    """The dtype the engine will compute in, known before (and without) building it."""
+    if cfg.engine.name == "sglang":
+        return serving_dtype(cfg.engine.sglang.extra_args, model_path)
+    return LocalEngine.dtype
+
+
 def build_engine_handle(cfg: DictConfig, model_path: str) -> EngineHandle:
-    """The run's one engine, built on first use by the generating rank only (see `EngineHandle`)."""
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    return EngineHandle(lambda: build_engine(cfg, model_path, tokenizer))
+    """The run's one engine, built (with the tokenizer's stop and pad ids) on first use, by the generating rank
+    only (see `EngineHandle`)."""
+    return EngineHandle(
+        lambda: build_engine(cfg, model_path, AutoTokenizer.from_pretrained(model_path)),
+        dtype=engine_dtype(cfg, model_path),
+    )
 
 
 def build_datamodule(
     cfg: DictConfig, model_path: str, engine: EngineHandle | None = None, log_dir: str | Path | None = None
 ) -> RolloutDataModule:
     """The rollout data module, generating with `engine` (the run's handle; a new one when not given)."""
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
     return RolloutDataModule(
         build_env(cfg, log_dir),
         engine or build_engine_handle(cfg, model_path),
-        AutoTokenizer.from_pretrained(model_path),
+        tokenizer,
         split=cfg.data.split,
         tasks_per_step=cfg.data.tasks_per_step,
         group_size=cfg.algorithm.group_size,
@@ -113,6 +125,7 @@ def build_module(cfg: DictConfig, model_path: str, engine: EngineHandle | None =
         loss_aggregation=a.loss_aggregation,
         entropy_coef=a.entropy_coef,
         minibatches_per_step=a.minibatches_per_step,
+        rollout_correction=build_rollout_correction(cfg),
         lr=o.lr,
         betas=tuple(o.betas),
         weight_decay=o.weight_decay,
@@ -123,6 +136,19 @@ def build_module(cfg: DictConfig, model_path: str, engine: EngineHandle | None =
         engine=engine,
         seed=cfg.seed,
     )
+
+
+def build_rollout_correction(cfg: DictConfig) -> RolloutCorrection:
+    """`algorithm.rollout_correction`, checked (`canopy.mismatch`)."""
+    c = cfg.algorithm.rollout_correction
+    correction = RolloutCorrection(
+        mode=c.mode,
+        tis_cap=c.tis_cap,
+        token_bounds=tuple(c.token_bounds),
+        sequence_bounds=tuple(c.sequence_bounds),
+    )
+    correction.validate()
+    return correction
 
 
 def build_strategy(cfg: DictConfig):

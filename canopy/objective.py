@@ -46,15 +46,19 @@ def token_objective(
     clip_low: float = 0.2,
     clip_high: float = 0.2,
     kl_coef: float = 1e-4,
+    pg_weights: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
     """The per-token objective, [B, T] (advantages [B]): the ratio of Eq. 6, the clipped surrogate S of Eq. 7
-    and the k3 KL anchor; `term` = -S + beta * k3 is what Eq. 8 aggregates."""
+    and the k3 KL anchor; `term` = -w * S + beta * k3 is what Eq. 8 aggregates, w = 1 in the recipe (else the
+    opt-in rollout correction's detached weights, `canopy.mismatch`)."""
     log_ratio = logprobs - old_logprobs
     ratio = torch.exp(log_ratio)
     adv = advantages.to(logprobs.dtype).unsqueeze(-1)
     unclipped = ratio * adv
     clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high) * adv
     surrogate = torch.minimum(unclipped, clipped)
+    if pg_weights is not None:
+        surrogate = pg_weights.detach() * surrogate
     kl = k3_kl(logprobs, ref_logprobs)
     return {
         "term": -surrogate + kl_coef * kl,
@@ -99,13 +103,23 @@ def canopy_loss(
     aggregation: str = "token-mean",
     num_action_tokens: float | None = None,
     num_sequences: float | None = None,
+    pg_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """CANOPY loss, Eq. 8: (1/N) sum_i sum_t M_it [ -S_it + beta * k3_it ] (`token_objective` weighted by
     `aggregation_weights`). Metrics are token-level diagnostics pooled over action tokens (Appendix C) and
-    normalized the same way, so they also accumulate exactly over micro-batches."""
+    normalized the same way, so they also accumulate exactly over micro-batches. `pg_clipfrac` and `ppo_kl` are
+    the trainer's own ratio pi_theta / pi_old: identically 0 with one update per batch (old = current), they
+    only move in the half_minibatch ablation; the engine-trainer gap is `canopy.mismatch`'s."""
     mask = action_mask.to(logprobs.dtype)
     terms = token_objective(
-        logprobs, old_logprobs, ref_logprobs, advantages, clip_low=clip_low, clip_high=clip_high, kl_coef=kl_coef
+        logprobs,
+        old_logprobs,
+        ref_logprobs,
+        advantages,
+        clip_low=clip_low,
+        clip_high=clip_high,
+        kl_coef=kl_coef,
+        pg_weights=pg_weights,
     )
     weights = aggregation_weights(mask, aggregation, num_action_tokens, num_sequences)
     loss = (terms["term"] * weights).sum()

@@ -8,6 +8,7 @@ class ScriptedEngine:
 
     def __init__(self, tokenizer, replies: list[str], version: int = 0, close_turns: bool = True):
         self.tokenizer, self.replies, self.weight_version = tokenizer, replies, version
+        self.dtype = "float32"
         self.im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
         self.close_turns = close_turns
         self.calls: list[tuple[list[list[int]], list[int]]] = []

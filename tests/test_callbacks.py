@@ -17,11 +17,12 @@ from canopy.callbacks import (
     QuarantineStats,
     build_callbacks,
 )
-from canopy.callbacks.on_policy_audit import OffPolicyError
+from canopy.config import ConfigError
 from canopy.coverage import signal_coverage
 from canopy.datamodules.rollout import StepStats, rollout_metrics, score_groups
 from canopy.envs.base import Task
 from canopy.envs.embedded import EmbeddedEnvironment
+from canopy.mismatch import OffPolicyError
 from canopy.rollout.engine import LocalEngine
 from canopy.tools.tb_scalars import read_scalars
 from tests.test_config import config
@@ -38,22 +39,53 @@ class Module(SimpleNamespace):
 
 def step(metrics=None, batch_metrics=None, minibatches=1, global_step=5, stats=None):
     trainer = SimpleNamespace(global_step=global_step, callback_metrics=metrics or {}, is_global_zero=True)
-    module = Module(hparams=SimpleNamespace(minibatches_per_step=minibatches), logged={})
+    module = Module(hparams=SimpleNamespace(minibatches_per_step=minibatches), logged={}, weight_version=global_step)
     return trainer, module, SimpleNamespace(metrics=batch_metrics or {}, stats=stats)
 
 
-def test_on_policy_audit_raises_on_non_zero_clipfrac():
-    audit = OnPolicyAudit(strict=True)
-    trainer, module, batch = step({"actor/pg_clipfrac": 0.0, "actor/ppo_kl": 0.0})
-    audit.on_train_batch_end(trainer, module, None, batch, 0)  # exactly on-policy: silent
-    trainer, module, batch = step({"actor/pg_clipfrac": 0.01, "actor/ppo_kl": 0.0})
-    with pytest.raises(OffPolicyError, match="pg_clipfrac=0.01.*minibatches_per_step=1"):
-        audit.on_train_batch_end(trainer, module, None, batch, 0)
-    trainer, module, batch = step({"actor/pg_clipfrac": 0.0, "actor/ppo_kl": 1e-7})
-    with pytest.warns(RuntimeWarning, match="ppo_kl=1e-07"):
-        OnPolicyAudit(strict=False).on_train_batch_end(trainer, module, None, batch, 0)
-    trainer, module, batch = step({"actor/pg_clipfrac": 0.01, "actor/ppo_kl": 0.1}, minibatches=2)
-    audit.on_train_batch_end(trainer, module, None, batch, 0)  # the half_minibatch ablation is off-policy by design
+BOUNDS = {
+    "bfloat16": {"parity": 0.03, "warn": 0.05, "stop": 0.15},
+    "float32": {"parity": 1e-3, "warn": 1e-4, "stop": 1e-3},
+}
+
+
+def audited(audit, gaps, dtype="bfloat16"):
+    """Run `gaps` (one engine-trainer gap per update) through the audit as a run would; returns the updates it let
+    through."""
+    module = SimpleNamespace(engine=SimpleNamespace(dtype=dtype), update_stats={}, weight_version=0)
+    trainer = SimpleNamespace(global_step=0)
+    audit.setup(trainer, module, "fit")
+    audit.on_train_start(trainer, module)
+    for gap in gaps:
+        module.update_stats = {"mismatch/logprob_gap": gap}
+        audit.on_before_optimizer_step(trainer, module, None)
+        trainer.global_step = module.weight_version = trainer.global_step + 1
+    return trainer.global_step
+
+
+def test_on_policy_audit_bounds_parity_then_every_update():
+    assert audited(OnPolicyAudit(BOUNDS), [0.02, 0.04, 0.049]) == 3  # bf16 noise: parity, then below warn
+    with pytest.raises(OffPolicyError, match=r"update 0 .*differ from the trainer's by 0.04 .*parity bound 0.03 for"):
+        audited(OnPolicyAudit(BOUNDS), [0.04])  # the same gap passes later, never before any update
+    with pytest.raises(OffPolicyError, match=r"update 2 \(rollout step 2\): engine-trainer logprob gap 0.2 .* > stop"):
+        audited(OnPolicyAudit(BOUNDS), [0.01, 0.02, 0.2, 0.01])  # the stale-weights signature of design/scale.md
+    with pytest.warns(RuntimeWarning, match=r"gap 0.06 per action token > warn bound 0.05 for bfloat16"):
+        assert audited(OnPolicyAudit(BOUNDS), [0.01, 0.06]) == 2
+    with pytest.warns(RuntimeWarning, match="stop bound 0.001 for float32"):
+        assert audited(OnPolicyAudit(BOUNDS, strict=False), [0.0, 0.5], dtype="float32") == 2
+    restarted = OnPolicyAudit(BOUNDS)
+    assert audited(restarted, [0.01, 0.03]) == 2
+    with pytest.raises(OffPolicyError, match="parity"):  # a resumed run is audited for parity again
+        audited(restarted, [0.1])
+
+
+def test_on_policy_audit_needs_bounds_for_the_engines_dtype():
+    with pytest.raises(
+        ConfigError, match=r"no bounds for an engine computing in float16: add engine.gap_bounds.float16"
+    ):
+        audited(OnPolicyAudit(BOUNDS), [0.0], dtype="float16")
+    with pytest.raises(ConfigError, match=r"engine.gap_bounds.float32=.*0 < warn <= stop"):
+        OnPolicyAudit({"float32": {"parity": 1e-3, "warn": 1e-2, "stop": 1e-3}})
 
 
 def test_entropy_monitor_warns_on_collapse_and_fast_fall():

@@ -11,6 +11,9 @@ from canopy.config import ConfigError, validate
 CONF = str(Path(__file__).resolve().parents[1] / "conf")
 
 
+CORRECTION_OFF = {"mode": "none", "tis_cap": 2.0, "token_bounds": [0.5, 5.0], "sequence_bounds": [0.99, 1.01]}
+
+
 def config(*overrides):
     with initialize_config_dir(config_dir=CONF, version_base="1.3"):
         return compose("train", overrides=list(overrides))
@@ -64,15 +67,19 @@ def test_enlarged_budget_matches_appendix_i():
         ("dense_reward", "algorithm.reward", "dense"),
         ("half_minibatch", "algorithm.minibatches_per_step", 2),
         ("quarantine_as_failure", "algorithm.quarantine_as_failure", True),
+        ("token_tis", "algorithm.rollout_correction", {**CORRECTION_OFF, "mode": "token_tis"}),
+        ("token_mask", "algorithm.rollout_correction", {**CORRECTION_OFF, "mode": "token_mask"}),
+        ("sequence_mask", "algorithm.rollout_correction", {**CORRECTION_OFF, "mode": "sequence_mask"}),
     ],
 )
 def test_each_ablation_changes_one_thing(ablation, key, value):
+    """An ablation file changes one key; the recipe corrects no engine-trainer mismatch."""
     base, ablated = (
         config("experiment=appworld_canopy", "model.path=/m"),
         config("experiment=appworld_canopy", "model.path=/m", f"ablation={ablation}"),
     )
     section, name = key.split(".")
-    assert ablated[section][name] == value
+    assert ablated[section][name] == value and base.algorithm.rollout_correction == CORRECTION_OFF
     for s in ("algorithm", "data", "optim", "budget", "sampling"):
         for k in base[s]:
             if (s, k) != (section, name):

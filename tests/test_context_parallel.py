@@ -160,7 +160,6 @@ def test_sequence_sharded_step_matches_single_process(tiny_path, tmp_path, dp, c
             assert abs(result["metrics"][key] - expected) <= 1e-6 * max(1.0, abs(expected)), key
         # each rank's partial is only its own positions' share: the reduction over cp is what completes it
         assert 0 < result["local_kl"] < result["metrics"]["kl"]
-    assert results[0]["metrics"]["pg_clipfrac"] == 0.0
 
 
 def main(rank: int, world: int, port: int, path: str, dp: int, cp: int, out: str) -> None:

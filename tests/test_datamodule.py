@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from canopy.datamodules.rollout import RolloutDataModule, StaleWeightsError, StepStats, pack, score_groups
+from canopy.datamodules.rollout import RolloutDataModule, StepStats, pack, score_groups
 from canopy.envs.base import Task, Verdict
 from canopy.envs.embedded import EmbeddedEnvironment
 from canopy.rollout.agent_loop import Budget, Trajectory
@@ -15,8 +15,9 @@ BUDGET = Budget(
 )
 
 
-def trajectory(task, i, success=None, quarantine=None, length=5):
+def trajectory(task, i, success=None, quarantine=None, length=5, version=0):
     t = Trajectory(task, i, list(range(length)), [0, 0] + [1] * (length - 2), [0.0] * length, 2)
+    t.token_versions = [-1, -1] + [version] * (length - 2)
     if quarantine:
         t.quarantine, t.ending = quarantine, "quarantined"
     else:
@@ -62,9 +63,10 @@ def test_score_groups_refuses_a_lost_episode():
 
 def test_pack_and_micro_batches_cover_every_sequence_once():
     a = Task("a", 1, "s")
-    trajectories = [trajectory(a, i, i % 2 == 0, length=3 + 2 * i) for i in range(6)]
-    batch = pack(trajectories, torch.arange(6.0), pad_token_id=0, version=3)
-    assert batch.input_ids.shape == (6, 13) and batch.weight_version == 3
+    trajectories = [trajectory(a, i, i % 2 == 0, length=3 + 2 * i, version=3) for i in range(6)]
+    batch = pack(trajectories, torch.arange(6.0), pad_token_id=0)
+    assert batch.input_ids.shape == (6, 13)
+    assert torch.equal(batch.token_versions, torch.where(batch.action_mask, 3, -1))
     assert batch.num_action_tokens == sum(t.action_mask[1:].count(1) for t in trajectories)
     groups = batch.micro_batches(max_tokens=26)
     assert sorted(torch.cat(groups).tolist()) == list(range(6))
@@ -72,26 +74,30 @@ def test_pack_and_micro_batches_cover_every_sequence_once():
         assert int(batch.lengths[group].max()) * len(group) <= 26 or len(group) == 1
     sub = batch.select(torch.tensor([0, 1]))
     assert sub.input_ids.shape == (2, 5) and torch.equal(sub.advantages, torch.tensor([0.0, 1.0]))
+    assert torch.equal(sub.token_versions, batch.token_versions[:2, :5])
 
 
 def test_next_batch_runs_groups_and_logs_metrics(tokenizer):
     dm = datamodule(tokenizer, ScriptedEngine(tokenizer, ["login", "key", "unlock"]))
     batch = next(iter(dm.train_dataloader()))
-    assert len(batch.lengths) == 12 and batch.weight_version == 0
+    assert len(batch.lengths) == 12
     m = batch.metrics
     assert m["rollout/episodes"] == 12 and m["rollout/quarantined"] == 0
     assert 0.0 <= m["reward/success"] <= 1.0 and "time/generation" in m and "rollout/turns" in m
     assert batch.input_ids.shape[1] == int(batch.lengths.max())
 
 
-def test_stale_weight_version_is_refused(tokenizer):
+def test_every_sampled_token_carries_the_version_that_sampled_it(tokenizer):
+    """The batch records what the engine stamped on each generation, not what the trainer expects (the module
+    compares them: tests/test_module.py)."""
     engine = ScriptedEngine(tokenizer, ["login"])
     dm = datamodule(tokenizer, engine)
     dm.engine_handle.sync(iter(()), 1, generating=True)
-    assert next(iter(dm.train_dataloader())).weight_version == 1
+    batch = next(iter(dm.train_dataloader()))
+    assert batch.action_mask.any() and torch.equal(batch.token_versions, torch.where(batch.action_mask, 1, -1))
     engine.weight_version = 0  # the engine missed a sync: its samples come from older weights
-    with pytest.raises(StaleWeightsError, match="version"):
-        dm.next_batch()
+    batch = dm.next_batch()
+    assert torch.equal(batch.token_versions, torch.where(batch.action_mask, 0, -1))
 
 
 def test_a_task_drawn_twice_in_one_step_forms_two_groups(tokenizer):

@@ -1,12 +1,17 @@
 """CanopyModule under a real Lightning Trainer, on the tiny model, with the real local engine."""
 
+from pathlib import Path
+
 import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
+from omegaconf import OmegaConf
 
+from canopy.callbacks import OnPolicyAudit
 from canopy.datamodules.rollout import RolloutDataModule
 from canopy.envs.embedded import EmbeddedEnvironment
+from canopy.mismatch import OffPolicyError, RolloutCorrection
 from canopy.modules.canopy_module import CanopyModule
 from canopy.modules.policy import export_hf_state_dict, load_policy
 from canopy.rollout.agent_loop import Budget
@@ -17,19 +22,69 @@ BUDGET = Budget(
 )
 
 
+SHIPPED_BOUNDS = OmegaConf.to_container(
+    OmegaConf.load(Path(__file__).resolve().parents[1] / "conf" / "engine" / "local.yaml").gap_bounds
+)
+
+
 class RecordSteps(Callback):
-    """Records every optimizer step with the gradients it applied."""
+    """Records every optimizer step (through Lightning's optimizer) with the gradients and the statistics of the
+    update it is about to apply."""
 
     def __init__(self):
-        self.steps = []
+        self.steps, self.stats = [], []
 
     def on_before_optimizer_step(self, trainer, module, optimizer):
         self.steps.append({n: p.grad.detach().clone() for n, p in module.policy.named_parameters()})
+        self.stats.append(dict(module.update_stats))
 
 
-def make(tiny_path, tokenizer, seed=0, **module_args):
+class StaleEngine(LocalEngine):
+    """Claims every sync but keeps its weights: a sync that silently did nothing."""
+
+    def update_weights(self, named_tensors, version):
+        for _ in named_tensors:
+            pass
+        self.weight_version = version
+
+
+class PartialSyncEngine(LocalEngine):
+    """Claims every sync but loads only the first decoder layer and the rest outside the layers."""
+
+    @torch.no_grad()
+    def update_weights(self, named_tensors, version):
+        params = dict(self.model.named_parameters())
+        for name, tensor in named_tensors:
+            if ".layers.1." not in name:
+                params[name].copy_(tensor)
+        self.weight_version = version
+
+
+class PerturbedEngine(LocalEngine):
+    """Serves weights with 1% noise on top of whatever it loaded: not the trainer's policy."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.perturb()
+
+    @torch.no_grad()
+    def perturb(self):
+        generator = torch.Generator().manual_seed(1)
+        for p in self.model.parameters():
+            p.add_(torch.randn(p.shape, generator=generator) * 1e-2 * p.std())
+
+
+class VersionLaggingEngine(LocalEngine):
+    """Honest about its staleness: ignores syncs and keeps stamping its samples with version 0."""
+
+    def update_weights(self, named_tensors, version):
+        for _ in named_tensors:
+            pass
+
+
+def make(tiny_path, tokenizer, seed=0, engine_class=LocalEngine, reward="sparse", **module_args):
     stop = [tokenizer.convert_tokens_to_ids("<|im_end|>")]
-    engine = LocalEngine(tiny_path, stop, tokenizer.pad_token_id, seed=seed)
+    engine = engine_class(tiny_path, stop, tokenizer.pad_token_id, seed=seed)
     dm = RolloutDataModule(
         EmbeddedEnvironment(),
         engine,
@@ -39,6 +94,7 @@ def make(tiny_path, tokenizer, seed=0, **module_args):
         group_size=4,
         budget=BUDGET,
         sampling=SamplingParams(temperature=1.0),
+        reward=reward,
         seed=seed,
     )
     module = CanopyModule(str(tiny_path), lr=1e-3, temperature=1.0, seed=seed, engine=dm.engine_handle, **module_args)
@@ -65,7 +121,7 @@ def test_one_optimizer_step_per_rollout_batch_and_weights_reach_the_engine(tiny_
     recorder = RecordSteps()
     trainer = fit(dm, module, steps=2, callbacks=[recorder])
     assert len(recorder.steps) == 2 and trainer.global_step == 2 and dm.step == 2
-    assert module.weight_version == 2 == dm.engine.weight_version == dm.trainer_version
+    assert module.weight_version == 2 == dm.engine.weight_version == dm.engine_handle.version
     engine_weights = dm.engine.model.state_dict()
     for name, value in export_hf_state_dict(module.policy, module.adapter).items():
         assert torch.equal(engine_weights[name], value), name
@@ -91,26 +147,102 @@ def test_micro_batches_only_accumulate(tiny_path, tokenizer):
 
 
 def test_half_minibatch_ablation_takes_two_updates_per_batch(tiny_path, tokenizer):
-    dm, module = make(tiny_path, tokenizer, minibatches_per_step=2)
+    """Both half-batch updates go through Lightning's optimizer (hooks, global step); the second one learns from
+    samples of the weights before the first, so its trainer ratio moves (the entropy bonus makes sure the first
+    update moves the policy), while the first one's is exactly 1."""
+    dm, module = make(tiny_path, tokenizer, minibatches_per_step=2, entropy_coef=0.05)
     recorder = RecordSteps()
-    trainer = fit(dm, module, steps=1, callbacks=[recorder])
-    # Lightning counts one global step per rollout batch; the first half-batch update goes to the raw optimizer
-    assert trainer.global_step == 1 and module.weight_version == 1 and dm.step == 1
-    assert len(recorder.steps) == 1
+    trainer = fit(dm, module, steps=2, callbacks=[recorder])  # max_steps counts updates: one rollout batch
+    assert trainer.global_step == 2 and len(recorder.steps) == 2
+    assert module.weight_version == 1 and dm.step == 1 and dm.engine.weight_version == 1
+    first, second = recorder.stats
+    assert first["actor/ppo_kl"] == 0.0 and first["actor/pg_clipfrac"] == 0.0
+    assert second["actor/ppo_kl"] != 0.0
+    # the engine-trainer gap is measured against the behaviour policy (weights before the first update): in sync
+    assert first["mismatch/logprob_gap"] < 1e-5 and second["mismatch/logprob_gap"] < 1e-5
 
 
-def test_stale_batch_is_refused_by_the_module(tiny_path, tokenizer):
-    dm, module = make(tiny_path, tokenizer)
-    fresh = dm.next_batch
+def test_engine_in_sync_passes_the_audit_with_the_shipped_bounds(tiny_path, tokenizer):
+    dm, module = make(tiny_path, tokenizer, entropy_coef=0.05)
+    recorder = RecordSteps()
+    fit(dm, module, steps=3, callbacks=[OnPolicyAudit(SHIPPED_BOUNDS), recorder])
+    gaps = [stats["mismatch/logprob_gap"] for stats in recorder.stats]
+    assert len(gaps) == 3 and all(0 <= gap < 1e-6 for gap in gaps)  # float32 HF engine vs TorchTitan trainer
 
-    def stale():
-        batch = fresh()
-        batch.weight_version = module.weight_version - 1  # generated before the last update
-        return batch
 
-    dm.next_batch = stale
-    with pytest.raises(RuntimeError, match="stale"):
-        fit(dm, module, steps=1)
+def test_perturbed_engine_fails_parity_before_any_update(tiny_path, tokenizer):
+    dm, module = make(tiny_path, tokenizer, engine_class=PerturbedEngine)
+    base, _ = load_policy(tiny_path)
+    with pytest.raises(OffPolicyError, match=r"update 0 .*before any update.*parity bound 0\.001 for float32"):
+        fit(dm, module, steps=2, callbacks=[OnPolicyAudit(SHIPPED_BOUNDS)])
+    assert torch.equal(module.policy.lm_head.weight, base.lm_head.weight)  # stopped before the weights moved
+
+
+@pytest.mark.parametrize("engine_class", [StaleEngine, PartialSyncEngine])
+def test_broken_weight_sync_stops_the_run_before_the_update(tiny_path, tokenizer, engine_class):
+    """The engine claims every version but serves old (or half-old) weights: parity passes (both start from the
+    checkpoint), then the gap crosses the stop bound as soon as the policy has moved, and the run stops before
+    that update is applied."""
+    dm, module = make(tiny_path, tokenizer, engine_class=engine_class, entropy_coef=0.05)
+    recorder = RecordSteps()
+    trainer = None
+    with pytest.raises(OffPolicyError, match=r"gap .* > stop bound 0\.001 for float32.*stale or partial weight sync"):
+        trainer = L.Trainer(
+            accelerator="cpu",
+            devices=1,
+            max_steps=6,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            callbacks=[recorder, OnPolicyAudit(SHIPPED_BOUNDS)],
+        )
+        trainer.fit(module, datamodule=dm)
+    assert 2 <= len(recorder.stats) <= 6 and recorder.stats[0]["mismatch/logprob_gap"] < 1e-6
+    assert trainer.global_step == len(recorder.stats) - 1  # the failing update was never applied
+    assert recorder.stats[-1]["mismatch/logprob_gap"] > 1e-3
+
+
+def test_engine_sampling_with_old_weights_is_refused(tiny_path, tokenizer):
+    """An engine honest about its version but missing syncs: the module refuses tokens of another version."""
+    dm, module = make(tiny_path, tokenizer, engine_class=VersionLaggingEngine, entropy_coef=0.05)
+    with pytest.raises(
+        OffPolicyError,
+        match=r"sampled tokens came from weight version\(s\) \[0\], but the policy is at "
+        r"version 1: the engine missed a weight sync",
+    ):
+        fit(dm, module, steps=3)
+    assert module.weight_version == 1
+
+
+def test_warn_bound_warns_and_non_strict_audit_only_warns(tiny_path, tokenizer):
+    dm, module = make(tiny_path, tokenizer, engine_class=StaleEngine, entropy_coef=0.05)
+    bounds = {"float32": {"parity": 1e-3, "warn": 1e-4, "stop": 1e-3}}
+    with pytest.warns(RuntimeWarning, match="stale or partial weight sync"):
+        trainer = fit(dm, module, steps=4, callbacks=[OnPolicyAudit(bounds, strict=False)])
+    assert trainer.global_step == 4
+
+
+@pytest.mark.parametrize("mode", ["token_tis", "token_mask", "sequence_mask"])
+def test_rollout_correction_reweights_the_policy_gradient(tiny_path, tokenizer, mode):
+    """Against an engine that samples from perturbed weights, each correction changes the update and logs its
+    metrics; with no correction the same batch gives the recipe's gradient."""
+    tight = RolloutCorrection(mode, tis_cap=1.0, token_bounds=(0.99, 1.01), sequence_bounds=(0.999, 1.001))
+    grads, stats = [], []
+    for correction in (None, tight):
+        dm, module = make(
+            tiny_path, tokenizer, engine_class=PerturbedEngine, reward="dense", rollout_correction=correction
+        )
+        recorder = RecordSteps()
+        fit(dm, module, steps=1, callbacks=[recorder])
+        grads.append(recorder.steps[0])
+        stats.append(recorder.stats[0])
+    assert not any(key.startswith("correction/") for key in stats[0])
+    assert stats[0]["mismatch/logprob_gap"] == pytest.approx(stats[1]["mismatch/logprob_gap"])
+    changed = {"token_tis": "truncated_frac", "token_mask": "masked_token_frac", "sequence_mask": "masked_seq_frac"}
+    assert 0 < stats[1][f"correction/{changed[mode]}"] <= 1
+    assert stats[1]["correction/weight_mean"] < 1
+    assert any(not torch.allclose(grads[0][n], grads[1][n]) for n in grads[0])
 
 
 def test_resumed_policy_resyncs_the_engine_before_generating(tiny_path, tokenizer):

@@ -43,7 +43,7 @@ def test_train_py_on_two_processes_matches_one(tmp_path):
         for tag in ("actor/loss", "actor/kl", "actor/entropy", "actor/grad_norm", "reward/success"):
             for (_, a), (_, b) in zip(single[tag], sharded[tag], strict=True):
                 assert abs(a - b) <= 1e-5 * max(1.0, abs(a)), (name, tag, a, b)
-        assert [v for _, v in sharded["actor/pg_clipfrac"]] == [0.0, 0.0]
+        assert all(v < 1e-5 for _, v in sharded["mismatch/logprob_gap"])  # each rank measured against rank 0's samples
         assert (run_dir / "final_hf" / "model.safetensors").is_file()
 
 
@@ -77,6 +77,6 @@ def test_only_global_rank_zero_builds_the_engine(tokenizer):
     other.engine_handle.sync(iter(weights), 1, generating=False)
     state = zero.state_dict()  # rank 0's checkpoint state, which every rank loads on resume
     other.load_state_dict(state)
-    assert built == [zero.engine] and "engine_rng" not in other.state_dict() and other.trainer_version == 1
+    assert built == [zero.engine] and "engine_rng" not in other.state_dict() and other.engine_handle.version == 1
     zero.engine_handle.sync(iter(weights), 1, generating=True)
     assert built == [zero.engine] and zero.engine.version == 1 and "engine_rng" in state

@@ -32,6 +32,7 @@ from canopy.rollout.sglang_engine import (
     broadcast_from_trainer,
     init_custom_process_group,
     launch_command,
+    serving_dtype,
 )
 from tests.fake_sglang import FakeSGLang
 
@@ -400,3 +401,17 @@ def test_budget_transfer_relaunches_launched_servers_at_the_enlarged_budget_then
         assert [r["role"] for r in results] == ["training_budget", "enlarged_budget"]
     finally:
         engine.close()
+
+
+def test_serving_dtype_follows_sglangs_dtype_rule(tiny_path, tmp_path):
+    """The audit's gap bounds are chosen by the dtype the servers compute in, known without launching them."""
+    assert serving_dtype([], tiny_path) == "float16"  # "auto" serves a float32 checkpoint in float16
+    assert serving_dtype(["--dtype", "bfloat16"], tiny_path) == "bfloat16"
+    assert serving_dtype(["--mem-fraction-static", "0.5", "--dtype", "half"], tiny_path) == "float16"
+    assert serving_dtype(["--dtype", "auto"], tiny_path) == "float16"
+    bf16 = tmp_path / "bf16"
+    bf16.mkdir()
+    (bf16 / "config.json").write_text(json.dumps({"torch_dtype": "bfloat16"}))
+    assert serving_dtype([], bf16) == "bfloat16"
+    (bf16 / "config.json").write_text(json.dumps({}))
+    assert serving_dtype([], bf16) == "bfloat16"

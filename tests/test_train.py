@@ -27,6 +27,10 @@ REQUIRED_TAGS = [
     "actor/entropy",
     "actor/grad_norm",
     "actor/loss",
+    "mismatch/logprob_gap",
+    "mismatch/kl",
+    "mismatch/seq_log_ratio",
+    "mismatch/seq_abs_log_ratio",
     "rollout/response_length",
     "rollout/turns",
     "rollout/truncated_frac",
@@ -42,9 +46,9 @@ REQUIRED_TAGS = [
 ]
 
 
-def train(tmp_path, steps: int, *overrides: str, name: str = "run"):
+def train(tmp_path, steps: int, *overrides: str, name: str = "run", returncode: int = 0):
     """`python train.py` on a small embedded run in `tmp_path/<name>` (the tiny model built once in `tmp_path/tiny`);
-    returns (run dir, completed process)."""
+    returns (run dir, completed process), which exited with `returncode`."""
     run_dir = tmp_path / name
     command = [
         sys.executable,
@@ -59,7 +63,7 @@ def train(tmp_path, steps: int, *overrides: str, name: str = "run"):
         *overrides,
     ]
     run = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900)
-    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.returncode == returncode, run.stderr[-3000:]
     return run_dir, run
 
 
@@ -70,9 +74,9 @@ def test_short_training_run(tmp_path):
     for tag in REQUIRED_TAGS:
         assert tag in scalars and len(scalars[tag]) == 3, tag
         assert all(math.isfinite(v) for _, v in scalars[tag]), tag
-    # strictly on-policy: the ratio is identically 1 at every step (Appendix C)
-    assert [v for _, v in scalars["actor/pg_clipfrac"]] == [0.0, 0.0, 0.0]
-    assert [v for _, v in scalars["actor/ppo_kl"]] == [0.0, 0.0, 0.0]
+    # the engine samples from the trainer's weights at every step: float32 in-process engine, in sync
+    assert all(v < 1e-5 for _, v in scalars["mismatch/logprob_gap"]), scalars["mismatch/logprob_gap"]
+    assert not any(tag.startswith("correction/") for tag in scalars)  # the recipe corrects nothing
     assert scalars["actor/kl"][0][1] == 0.0  # step 0: the policy still is the reference
     final = run_dir / "final_hf"
     Qwen3ForCausalLM.from_pretrained(final)
@@ -112,3 +116,29 @@ def test_training_through_the_environment_pool(tmp_path):
     scalars = read_scalars(run_dir / "tensorboard")
     assert [v for _, v in scalars["rollout/episodes"]] == [16, 16]
     assert [v for _, v in scalars["rollout/quarantined"]] == [0, 0]
+
+
+@pytest.mark.slow
+def test_half_minibatch_run_counts_rollout_steps(tmp_path):
+    """trainer.max_steps counts rollout steps: the half_minibatch ablation takes two Lightning optimizer steps on
+    each, and its second update learns from samples of the weights before the first (the trainer ratio moves)."""
+    run_dir, _ = train(tmp_path, 2, "ablation=half_minibatch", "report.eval_samples_per_task=0", "callbacks=none")
+    scalars = read_scalars(run_dir / "tensorboard")
+    assert [step for step, _ in scalars["reward/success"]] == [0, 1]
+    assert any(v != 0.0 for _, v in scalars["actor/ppo_kl"])
+
+
+@pytest.mark.slow
+def test_audit_and_its_config_stop_the_run_with_one_line(tmp_path):
+    """A parity bound the engine cannot meet stops the run before any update with the audit's one-line message;
+    an engine dtype with no bounds is a config error."""
+    _, run = train(tmp_path, 2, "engine.gap_bounds.float32.parity=1e-12", name="parity", returncode=1)
+    last = run.stderr.strip().splitlines()[-1]
+    assert last.startswith("off-policy: update 0 (rollout step 0): before any update the engine's logprobs")
+    assert "Traceback" not in run.stderr and not (tmp_path / "parity" / "final_hf").exists()
+    _, run = train(tmp_path, 2, "~engine.gap_bounds.float32", name="no_bounds", returncode=1)
+    assert (
+        run.stderr.strip()
+        .splitlines()[-1]
+        .startswith("config error: engine.gap_bounds has no bounds for an engine computing in float32")
+    )

@@ -59,11 +59,11 @@ class BudgetTransferEval(L.Callback):
         for role, cfg in self.configs.items():
             engine = dm.engine.at_budget(cfg.budget.max_context_tokens, _rope(cfg))
             if engine is not None:
-                results.append(self._run(engine, dm, tasks, role, cfg, trainer.global_step))
+                results.append(self._run(engine, dm, tasks, role, cfg, pl_module.weight_version))
             elif final and getattr(dm.engine, "can_relaunch", False):
                 with dm.engine.relaunched(cfg.budget.max_context_tokens, _rope(cfg)) as engine:
                     engine.update_weights(weights.items(), pl_module.weight_version)
-                    results.append(self._run(engine, dm, tasks, role, cfg, trainer.global_step))
+                    results.append(self._run(engine, dm, tasks, role, cfg, pl_module.weight_version))
                 dm.engine.update_weights(weights.items(), pl_module.weight_version)
             elif role not in self.skipped:
                 self.skipped.add(role)
@@ -80,7 +80,7 @@ class BudgetTransferEval(L.Callback):
             logged = {
                 f"eval/{r['role']}/tgc_{tier}": row["tgc_mean"] for r in results for tier, row in r["metrics"].items()
             }
-            trainer.logger.log_metrics(logged, step=trainer.global_step)
+            trainer.logger.log_metrics(logged, step=pl_module.weight_version)
         return results
 
     def _needs_relaunch(self, trainer) -> bool | None:
@@ -121,14 +121,14 @@ class BudgetTransferEval(L.Callback):
         )
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if self.every_n_steps and trainer.global_step % self.every_n_steps == 0:
-            self.last = (trainer.global_step, self.evaluate(trainer, pl_module))
+        if self.every_n_steps and pl_module.weight_version % self.every_n_steps == 0:
+            self.last = (pl_module.weight_version, self.evaluate(trainer, pl_module))
 
     def on_train_end(self, trainer, pl_module) -> None:
         if not self.at_end:
             return
         step, results = self.last
-        if step != trainer.global_step or len(results) < len(self.configs):
+        if step != pl_module.weight_version or len(results) < len(self.configs):
             results = self.evaluate(trainer, pl_module, final=True)
         if results:
             run_dir = Path(trainer.default_root_dir)

@@ -34,10 +34,10 @@ class EntropyMonitor(L.Callback):
         return alert
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        alert = self.check(trainer.global_step, scalar(trainer.callback_metrics["actor/entropy"]))
+        alert = self.check(pl_module.weight_version, scalar(trainer.callback_metrics["actor/entropy"]))
         if alert:
             warnings.warn(
-                f"step {trainer.global_step}: policy entropy collapsing: {alert}; the KL anchor "
+                f"step {pl_module.weight_version}: policy entropy collapsing: {alert}; the KL anchor "
                 "(algorithm.kl_coef) and strict on-policy updates keep it alive (Fig. 4)",
                 RuntimeWarning,
                 stacklevel=1,

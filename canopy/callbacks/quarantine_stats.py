@@ -25,7 +25,7 @@ class QuarantineStats(L.Callback):
         if rate > self.warn_rate:
             reasons = ", ".join(f"{reason}={count}" for reason, count in stats.quarantined.items())
             warnings.warn(
-                f"step {trainer.global_step}: {rate:.1%} of episodes quarantined ({reasons}) > "
+                f"step {pl_module.weight_version}: {rate:.1%} of episodes quarantined ({reasons}) > "
                 f"warn_rate {self.warn_rate:.1%}: check the environment workers",
                 RuntimeWarning,
                 stacklevel=1,

@@ -9,6 +9,7 @@ from lightning.fabric.utilities.apply_func import move_data_to_device
 
 from canopy.config import CP_NEEDS_GPU, CP_SEQ_MEAN, ConfigError
 from canopy.datamodules.rollout import RolloutBatch
+from canopy.mismatch import OffPolicyError, RolloutCorrection, correction_metrics, mismatch_metrics, sequence_log_ratio
 from canopy.modules.logprobs import padded_width, sequence_inputs, token_logprobs
 from canopy.modules.parallel import (
     ParallelSettings,
@@ -19,6 +20,7 @@ from canopy.modules.parallel import (
     context_parallel_mesh,
     data_parallel_rank,
     gather_sequence,
+    sum_over_context,
 )
 from canopy.modules.policy import export_hf_state_dict, iter_hf_weights, load_policy, unwrap
 from canopy.objective import canopy_loss
@@ -40,7 +42,8 @@ def silence_benign_warnings() -> None:
 
 class CanopyModule(L.LightningModule):
     """Owns the policy pi_theta (TorchTitan Qwen3) and the frozen base pi_ref; trains with manual optimization so
-    that one rollout batch is exactly one optimizer step (micro-batches only accumulate gradients)."""
+    that one rollout batch is exactly one optimizer step (micro-batches only accumulate gradients). Every update
+    goes through Lightning's optimizer (precision plugin, `on_before_optimizer_step` hooks, the global step)."""
 
     def __init__(
         self,
@@ -52,6 +55,7 @@ class CanopyModule(L.LightningModule):
         loss_aggregation: str = "token-mean",
         entropy_coef: float = 0.0,
         minibatches_per_step: int = 1,
+        rollout_correction: RolloutCorrection | None = None,
         lr: float = 3e-6,
         betas: tuple[float, float] = (0.9, 0.999),
         weight_decay: float = 0.0,
@@ -63,10 +67,12 @@ class CanopyModule(L.LightningModule):
         seed: int = 0,
     ):
         """`engine` is the run's engine handle, the one the data module generates with: after every optimizer
-        step the new weights go into it (`EngineHandle.sync`), before the next rollout is generated."""
+        step the new weights go into it (`EngineHandle.sync`), before the next rollout is generated.
+        `rollout_correction` is the opt-in engine-trainer mismatch correction (`canopy.mismatch`), off by default."""
         super().__init__()
-        self.save_hyperparameters(ignore=["parallel", "engine"])
+        self.save_hyperparameters(ignore=["parallel", "engine", "rollout_correction"])
         self.engine = engine
+        self.correction = rollout_correction or RolloutCorrection()
         self.parallel = parallel or ParallelSettings()
         if self.parallel.cp > 1 and loss_aggregation != "token-mean":
             raise ConfigError(CP_SEQ_MEAN)
@@ -75,6 +81,12 @@ class CanopyModule(L.LightningModule):
         self.reference = None
         self.parallel_dims = None  # TorchTitan's meshes when the policy is sharded
         self.weight_version = 0  # rollout batches consumed = weight syncs sent to the engine
+        self.update_stats: dict[str, float] = {}  # the update about to be applied, reduced (read by OnPolicyAudit)
+
+    @property
+    def updates_per_batch(self) -> int:
+        """Optimizer steps (Lightning global steps) per rollout batch: 1 when strictly on-policy."""
+        return self.hparams.minibatches_per_step
 
     def configure_model(self) -> None:
         """Single process: plain modules. Under `ModelParallelStrategy`: policy and reference sharded alike."""
@@ -171,11 +183,14 @@ class CanopyModule(L.LightningModule):
         """Accumulate the gradient of Eq. 8 over one minibatch (rows `minibatch_indices` of `batch`), micro-batch by
         micro-batch; returns this rank's metric partials. Each rank sums the per-token terms of its own rows and
         positions divided by the minibatch-wide N, so FSDP's summed gradient over dp_shard x cp is Eq. 8 exactly.
-        `old_logprobs` is None when strictly on-policy (old = current, detached)."""
+        `old_logprobs` is None when strictly on-policy (old = current, detached). The engine-trainer mismatch r =
+        log pi_old - log mu is measured on every action token and, when a correction is on, reweights S_t."""
         h = self.hparams
         cp_mesh = context_parallel_mesh(self.parallel_dims)
         minibatch = batch.select(minibatch_indices)
         n_tokens, n_sequences = self._global_counts(minibatch)
+        # every CP rank holds each of its shard's rows, so each adds 1/cp of a sequence metric
+        sequence_share = n_sequences * (1 if cp_mesh is None else cp_mesh.size())
         sums: dict[str, float] = {}
         for local, real in self._micro_batches(minibatch):
             rows = minibatch_indices[local]
@@ -187,11 +202,16 @@ class CanopyModule(L.LightningModule):
             inputs = sequence_inputs(micro, cp_mesh, **extras)
             logprobs, entropy = self._logprobs(self.policy, inputs)
             mask = inputs["action_mask"]
+            old = logprobs.detach() if old_logprobs is None else inputs["old_logprobs"]
+            log_ratio = torch.where(mask, old - inputs["engine_logprobs"], 0.0)
+            row_sums = sum_over_context(torch.stack([log_ratio.sum(-1), mask.sum(-1).to(log_ratio.dtype)]), cp_mesh)
+            sequence_ratio, has_actions = sequence_log_ratio(row_sums[0], row_sums[1])
+            pg_weights, changed = self.correction.weights(log_ratio, sequence_ratio)
             # off the action tokens (padding included) the KL term is exactly 0, never 0 x inf
             ref = torch.where(mask, inputs["ref_logprobs"], logprobs.detach())
             loss, metrics = canopy_loss(
                 logprobs,
-                logprobs.detach() if old_logprobs is None else inputs["old_logprobs"],
+                old,
                 ref,
                 micro.advantages,
                 mask,
@@ -201,6 +221,7 @@ class CanopyModule(L.LightningModule):
                 aggregation=h.loss_aggregation,
                 num_action_tokens=n_tokens,
                 num_sequences=n_sequences,
+                pg_weights=pg_weights,
             )
             token_entropy = (entropy * mask).sum() / max(1, n_tokens)
             if h.entropy_coef:
@@ -208,8 +229,12 @@ class CanopyModule(L.LightningModule):
             self.manual_backward(loss if real else loss * 0.0)
             if not real:
                 continue
-            engine_gap = ((logprobs.detach() - inputs["engine_logprobs"]).abs() * mask).sum() / max(1, n_tokens)
-            metrics.update(loss=loss.detach(), entropy=token_entropy.detach(), engine_logprob_gap=engine_gap)
+            metrics = {f"actor/{k}": v for k, v in metrics.items()}
+            metrics.update({"actor/loss": loss.detach(), "actor/entropy": token_entropy.detach()})
+            metrics.update(mismatch_metrics(log_ratio, mask, sequence_ratio, has_actions, n_tokens, sequence_share))
+            metrics.update(
+                correction_metrics(self.correction, pg_weights, changed, mask, has_actions, n_tokens, sequence_share)
+            )
             for key, value in metrics.items():
                 sums[key] = sums.get(key, 0.0) + float(value)
         return sums
@@ -237,13 +262,18 @@ class CanopyModule(L.LightningModule):
         self._log_step(batch, metrics, timings)
 
     def _fresh_batch(self, dataloader_iter) -> RolloutBatch:
-        """The batch generated for this step, on this device; one sampled by other weights is refused."""
+        """The batch generated for this step, on this device. Every sampled token carries the weight version
+        the engine sampled it with; a token from any version but the policy's current one is refused."""
         batch, _, _ = next(dataloader_iter)
         batch = move_data_to_device(batch, self.device)  # a `dataloader_iter` step gets its batch as generated
-        if batch.weight_version != self.weight_version:
-            raise RuntimeError(
-                f"rollout batch has weight version {batch.weight_version} but the policy is at {self.weight_version}: "
-                "a stale batch would break strict on-policy training"
+        versions = batch.token_versions[batch.action_mask]
+        stale = versions != self.weight_version
+        if bool(stale.any()):
+            raise OffPolicyError(
+                f"{int(stale.sum())} of {versions.numel()} sampled tokens came from weight version(s) "
+                f"{sorted(set(versions[stale].tolist()))}, but the policy is at version {self.weight_version}: the "
+                "engine missed a weight sync (check the engine's log); strict on-policy training needs every token "
+                "sampled by the current weights"
             )
         return batch
 
@@ -257,9 +287,11 @@ class CanopyModule(L.LightningModule):
         return batch.select(torch.arange(len(batch.lengths))[dp_rank::dp_size]) if dp_size > 1 else batch
 
     def _optimizer_step(self, batch: RolloutBatch, micro_batches, ref_logprobs: torch.Tensor) -> dict[str, float]:
-        """One optimizer step over the whole batch (micro-batches only accumulate gradients); this rank's metric
-        partials and the gradient norm. Only the half_minibatch ablation splits the batch into several updates,
-        and only it needs the behaviour policy's logprobs from a forward pass before the first one."""
+        """One optimizer step over the whole batch (micro-batches only accumulate gradients); the step's metrics,
+        summed over ranks, and the gradient norm. Only the half_minibatch ablation splits the batch into several
+        updates, and only it needs the behaviour policy's logprobs from a forward pass before the first one.
+        Each update's reduced metrics are `update_stats` before it is applied, so that `OnPolicyAudit` can stop
+        the run (in `on_before_optimizer_step`) before the weights move."""
         h = self.hparams
         old_logprobs = (
             None if h.minibatches_per_step == 1 else self._logprobs_no_grad(self.policy, batch, micro_batches)
@@ -270,18 +302,18 @@ class CanopyModule(L.LightningModule):
         )
         sums: dict[str, float] = {}
         grad_norms = []
-        for m, minibatch_indices in enumerate(order.chunk(h.minibatches_per_step)):
-            for key, value in self._minibatch_backward(batch, minibatch_indices, ref_logprobs, old_logprobs).items():
+        for minibatch_indices in order.chunk(h.minibatches_per_step):
+            partials = self._minibatch_backward(batch, minibatch_indices, ref_logprobs, old_logprobs)
+            self.update_stats = all_reduce_sum(partials, self.parallel_dims)
+            for key, value in self.update_stats.items():
                 sums[key] = sums.get(key, 0.0) + value / h.minibatches_per_step
             grad_norm = torch.nn.utils.clip_grad_norm_(
                 self.policy.parameters(), h.grad_clip if h.grad_clip else float("inf")
             )
             grad_norms.append(float(unwrap(grad_norm)))
-            last = m == h.minibatches_per_step - 1
-            # Lightning counts a global step per LightningOptimizer.step(): one per rollout batch (the last update).
-            (optimizer.step() if last else optimizer.optimizer.step())
+            optimizer.step()  # Lightning's LightningOptimizer: precision plugin, hooks, one global step each
             optimizer.zero_grad()
-        logged = {f"actor/{k}": v for k, v in all_reduce_sum(sums, self.parallel_dims).items()}
+        logged = dict(sums)
         logged["actor/grad_norm"] = sum(grad_norms) / len(grad_norms)
         logged["actor/lr"] = optimizer.param_groups[0]["lr"]
         return logged

@@ -198,6 +198,15 @@ def all_reduce_max(value: int, dims) -> int:
     return int(packed.item())
 
 
+def sum_over_context(tensor: torch.Tensor, mesh) -> torch.Tensor:
+    """`tensor` summed over the context-parallel ranks (e.g. per-sequence sums of each rank's positions)."""
+    if mesh is None:
+        return tensor
+    tensor = tensor.clone()
+    dist.all_reduce(tensor, group=mesh.get_group())
+    return tensor
+
+
 def gather_sequence(tensor: torch.Tensor, mesh) -> torch.Tensor:
     """Concatenate every context-parallel rank's [B, T/cp] slice along the sequence, in rank order."""
     parts = [torch.empty_like(tensor) for _ in range(mesh.size())]

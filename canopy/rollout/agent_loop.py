@@ -39,7 +39,7 @@ class Trajectory:
     action_mask: list[int]
     engine_logprobs: list[float]  # aligned with token_ids; 0.0 where action_mask is 0
     prompt_length: int
-    weight_versions: set[int] = field(default_factory=set)
+    token_versions: list[int] = field(default_factory=list)  # aligned: the weight version that sampled it, else -1
     num_turns: int = 0
     response_tokens: int = 0
     ending: str = ""  # done | turn_limit | token_budget | context_limit | agent_failure | quarantined
@@ -52,6 +52,11 @@ class Trajectory:
         """Mark the episode quarantined by `fault` (Appendix G); returns its ending."""
         self.ending, self.quarantine, self.fault = "quarantined", fault.reason, fault
         return self.ending
+
+    @property
+    def weight_versions(self) -> set[int]:
+        """The weight versions its tokens were sampled with (one, when strictly on-policy)."""
+        return set(self.token_versions) - {-1}
 
     @property
     def truncated(self) -> bool:
@@ -189,6 +194,7 @@ def _begin(env: Environment, tokenizer, trajectory: Trajectory, index: int, seed
         )
     trajectory.token_ids, trajectory.action_mask = list(prompt), [0] * len(prompt)
     trajectory.engine_logprobs, trajectory.prompt_length = [0.0] * len(prompt), len(prompt)
+    trajectory.token_versions = [-1] * len(prompt)
     return _Live(index, episode, trajectory)
 
 
@@ -202,7 +208,7 @@ def _advance(item: _Live, generation, tokenizer, budget: Budget, im_end: int) ->
     t.token_ids += generation.token_ids
     t.action_mask += [1] * len(generation.token_ids)
     t.engine_logprobs += generation.logprobs
-    t.weight_versions.add(generation.weight_version)
+    t.token_versions += [generation.weight_version] * len(generation.token_ids)
     t.response_tokens += len(generation.token_ids)
     t.num_turns += 1
     ending = _step(item, generation, tokenizer, budget, im_end)
@@ -242,6 +248,7 @@ def _step(item: _Live, generation, tokenizer, budget: Budget, im_end: int) -> st
     t.token_ids += observation
     t.action_mask += [0] * len(observation)
     t.engine_logprobs += [0.0] * len(observation)
+    t.token_versions += [-1] * len(observation)
     return None
 
 

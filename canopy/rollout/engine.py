@@ -64,6 +64,7 @@ class Engine(Protocol):
     """What a run needs from its one inference engine."""
 
     weight_version: int  # the version of the weights it samples from; every sample carries it
+    dtype: str  # the dtype it computes in ("float32", "bfloat16", ...): the audit's gap bounds depend on it
 
     def generate(
         self, prompts: list[list[int]], max_new_tokens: list[int], sampling: SamplingParams
@@ -88,10 +89,12 @@ class EngineHandle:
     """The run's one engine, owned once and lent out: built on first use, and only by the process that generates
     (global rank 0; the other ranks of a sharded run never build one). The data module generates through it,
     evaluators borrow it, and the module pushes its weights into it after every optimizer step with `sync`:
-    the one path from trainer to engine. `version` is the weight version the engine was last synced to."""
+    the one path from trainer to engine. `version` is the weight version the engine was last synced to; `dtype`
+    the engine's, known to every process (give it with a builder; the on-policy audit needs it)."""
 
-    def __init__(self, engine: "Engine | Callable[[], Engine]"):
+    def __init__(self, engine: "Engine | Callable[[], Engine]", dtype: str | None = None):
         self._engine, self.version = engine, 0
+        self.dtype = dtype if dtype is not None or callable(engine) else engine.dtype
 
     @property
     def engine(self) -> Engine:
@@ -109,9 +112,16 @@ class EngineHandle:
                 pass
         self.version = version
 
+    def close(self) -> None:
+        """Release the engine (servers, siblings), if this process built one."""
+        if not callable(self._engine):
+            self._engine.close()
+
 
 class LocalEngine:
-    """Batched sampling with a KV cache from an HF `Qwen3ForCausalLM`, in-process."""
+    """Batched sampling with a KV cache from an HF `Qwen3ForCausalLM`, in-process, in float32."""
+
+    dtype = "float32"
 
     def __init__(
         self,

@@ -228,6 +228,20 @@ def checkpoint_dtype(path: Path) -> torch.dtype | None:
     return getattr(torch, name) if isinstance(name, str) else None
 
 
+def serving_dtype(extra_args: list[str], model_path: str | Path) -> str:
+    """The dtype SGLang computes in: `--dtype` when given, else its "auto" rule on the checkpoint's config.json
+    (a float32 checkpoint is served in float16, one that declares none in bfloat16). The audit's gap bounds are
+    chosen by it."""
+    args = list(extra_args)
+    given = args[args.index("--dtype") + 1] if "--dtype" in args[:-1] else "auto"
+    if given != "auto":
+        return {"half": "float16", "float": "float32"}.get(given, given)
+    declared = checkpoint_dtype(Path(model_path))
+    if declared is None:
+        return "bfloat16"
+    return "float16" if declared == torch.float32 else str(declared).removeprefix("torch.")
+
+
 @dataclass(eq=False)
 class _Server:
     url: str
@@ -262,6 +276,7 @@ class SGLangEngine:
         self.weight_version = 0
         self.weight_names = checkpoint_weight_names(self.model_path)
         self.sync_dtype = checkpoint_dtype(self.model_path)
+        self.dtype = serving_dtype(settings.extra_args, self.model_path)
         self.sync_dir = Path(settings.sync_dir).resolve()
         self.sync_dir.mkdir(parents=True, exist_ok=True)
         self.retry_backoff_s, self.shard_bytes, self.bucket_bytes = retry_backoff_s, shard_bytes, bucket_bytes
