@@ -76,9 +76,9 @@ def synthetic_batch(shape: dict, step: int, version: int):
         input_ids,
         action_mask,
         torch.zeros(rows, width),
+        torch.where(action_mask, version, -1),
         (advantages - advantages.mean()) / advantages.std(),
         lengths,
-        version,
         {},
     )
 

@@ -40,7 +40,8 @@ def rollout_batch(vocab: int) -> RolloutBatch:
     engine = -torch.rand(6, 21, generator=g) * action
     for row, length in enumerate(lengths.tolist()):
         ids[row, length:], action[row, length:], engine[row, length:] = 0, False, 0.0
-    return RolloutBatch(ids, action, engine, torch.tensor([1.0, -0.5, 0.3, -0.8, 1.2, -1.0]), lengths, 0, {})
+    versions = torch.where(action, 0, -1)
+    return RolloutBatch(ids, action, engine, versions, torch.tensor([1.0, -0.5, 0.3, -0.8, 1.2, -1.0]), lengths, {})
 
 
 def position_wise_attention(self, q, k, v, **kwargs):
@@ -96,6 +97,7 @@ def test_aligned_targets_match_the_shifted_formulation(tiny_path):
     entropy = (entropy * mask).sum() / n_tokens
     (loss - 0.01 * entropy).backward()
     expected = {"loss": loss - 0.01 * entropy, "entropy": entropy, **metrics}
+    expected = {f"actor/{key}": value for key, value in expected.items()}
 
     aligned = module_with(load_policy(tiny_path)[0], load_policy(tiny_path)[0], None)
     aligned.hparams.micro_batch_tokens = 10_000  # one micro-batch, as above
@@ -159,7 +161,7 @@ def test_sequence_sharded_step_matches_single_process(tiny_path, tmp_path, dp, c
         for key, expected in result["single_metrics"].items():
             assert abs(result["metrics"][key] - expected) <= 1e-6 * max(1.0, abs(expected)), key
         # each rank's partial is only its own positions' share: the reduction over cp is what completes it
-        assert 0 < result["local_kl"] < result["metrics"]["kl"]
+        assert 0 < result["local_kl"] < result["metrics"]["actor/kl"]
 
 
 def main(rank: int, world: int, port: int, path: str, dp: int, cp: int, out: str) -> None:
@@ -191,7 +193,7 @@ def main(rank: int, world: int, port: int, path: str, dp: int, cp: int, out: str
                 "ref_diff": ref_diff,
                 "metrics": all_reduce_sum(partials, dims),
                 "single_metrics": single_partials,
-                "local_kl": partials["kl"],
+                "local_kl": partials["actor/kl"],
             },
             f,
         )

@@ -94,7 +94,7 @@ class EngineHandle:
 
     def __init__(self, engine: "Engine | Callable[[], Engine]", dtype: str | None = None):
         self._engine, self.version = engine, 0
-        self.dtype = dtype if dtype is not None or callable(engine) else engine.dtype
+        self.dtype = dtype if dtype is not None or callable(engine) else getattr(engine, "dtype", None)
 
     @property
     def engine(self) -> Engine:
