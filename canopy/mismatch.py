@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+from canopy.config import require
+
 CORRECTIONS = ("none", "token_tis", "token_mask", "sequence_mask")
 
 
@@ -38,8 +40,6 @@ class RolloutCorrection:
     sequence_bounds: tuple[float, float] = (0.99, 1.01)  # sequence_mask: on the geometric mean of rho
 
     def validate(self) -> None:
-        from canopy.config import require
-
         key = "algorithm.rollout_correction"
         require(self.mode in CORRECTIONS, f"{key}.mode={self.mode!r} is unknown: use one of {', '.join(CORRECTIONS)}")
         require(self.tis_cap > 0, f"{key}.tis_cap={self.tis_cap} must be > 0 (slime uses 2)")
@@ -134,8 +134,6 @@ class GapBounds:
     stop: float
 
     def validate(self, where: str) -> None:
-        from canopy.config import require
-
         require(
             0 < self.parity and 0 < self.warn <= self.stop,
             f"{where}={{parity: {self.parity}, warn: {self.warn}, stop: {self.stop}}}: need parity > 0 and "

@@ -215,7 +215,7 @@ def test_engine_sampling_with_old_weights_is_refused(tiny_path, tokenizer):
     assert module.weight_version == 1
 
 
-def test_warn_bound_warns_and_non_strict_audit_only_warns(tiny_path, tokenizer):
+def test_non_strict_audit_warns_where_it_would_stop(tiny_path, tokenizer):
     dm, module = make(tiny_path, tokenizer, engine_class=StaleEngine, entropy_coef=0.05)
     bounds = {"float32": {"parity": 1e-3, "warn": 1e-4, "stop": 1e-3}}
     with pytest.warns(RuntimeWarning, match="stale or partial weight sync"):
