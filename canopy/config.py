@@ -1,5 +1,6 @@
 """Config validation: every bad value fails at start with one line that names the fix."""
 
+import json
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
@@ -146,6 +147,16 @@ def validate(cfg: DictConfig) -> None:
         cfg.model.family in MODEL_FAMILIES,
         f"model.family={cfg.model.family!r} has no model in this build yet: use one of {', '.join(MODEL_FAMILIES)}",
     )
+    if cfg.model.path is not None:
+        from canopy.modules.policy import model_family
+
+        declared = json.loads((Path(cfg.model.path) / "config.json").read_text()).get("model_type")
+        found = model_family({"model_type": declared})
+        require(
+            found == cfg.model.family,
+            f"model.family={cfg.model.family} but model.path '{cfg.model.path}' holds model_type={declared!r}"
+            + (f": set model.family={found}" if found else f": Canopy trains {', '.join(MODEL_FAMILIES)}"),
+        )
     environment_kwargs(cfg.env)
     if cfg.engine.name == "sglang":
         SGLangSettings(**cfg.engine.sglang).validate(cfg.trainer.accelerator)

@@ -184,3 +184,12 @@ def test_environments_and_engines_are_config_groups_over_one_registry():
     assert config("env=python_tasks").env.name == config("env.name=python_tasks").env.name == "python_tasks"
     with pytest.raises(ConfigError, match="model.family='llama' has no model in this build yet: use one of qwen3"):
         validate(config("model.family=llama"))
+
+
+def test_model_family_follows_the_tiny_model_and_must_match_the_checkpoint(tiny_path):
+    assert config().model.family == "qwen3" and config("model.tiny.family=qwen3_5").model.family == "qwen3_5"
+    assert "tiny-qwen3_5-" in config("model.tiny.family=qwen3_5").model.tiny.dir
+    validate(config(f"model.path={tiny_path}"))
+    with pytest.raises(ConfigError, match=r"model.family=qwen3_5 but model.path .* holds model_type='qwen3': set "):
+        validate(config(f"model.path={tiny_path}", "model.family=qwen3_5"))
+    assert config("experiment=swebench_canopy", "model.path=/m").model.family == "qwen3_5"

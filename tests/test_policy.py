@@ -34,5 +34,5 @@ def test_missing_or_wrong_checkpoint_is_a_clear_error(tmp_path):
     with pytest.raises(ConfigError, match="config.json"):
         read_hf_config(tmp_path)
     (tmp_path / "config.json").write_text('{"model_type": "llama"}')
-    with pytest.raises(ConfigError, match="Qwen3"):
+    with pytest.raises(ConfigError, match="model_type=.llama.; Canopy trains qwen3, qwen3_5, qwen3_5_text"):
         read_hf_config(tmp_path)

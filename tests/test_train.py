@@ -142,3 +142,17 @@ def test_audit_and_its_config_stop_the_run_with_one_line(tmp_path):
         .splitlines()[-1]
         .startswith("config error: engine.gap_bounds has no bounds for an engine computing in float32")
     )
+
+
+@pytest.mark.slow
+def test_embedded_default_with_a_tiny_qwen3_5(tmp_path):
+    """`python train.py model.tiny.family=qwen3_5`: the same run on a tiny Qwen3.5 (Gated DeltaNet + full attention),
+    the trainer on TorchTitan's model with the pure-torch kernels, the engine on HF's; the engine samples what the
+    trainer scores, and the final checkpoint is a complete HF Qwen3.5."""
+    from transformers import Qwen3_5ForCausalLM
+
+    run_dir, run = train(tmp_path, 2, "model.tiny.family=qwen3_5", "report.eval_samples_per_task=0")
+    scalars = read_scalars(run_dir / "tensorboard")
+    assert len(scalars["actor/loss"]) == 2 and all(v < 1e-4 for _, v in scalars["mismatch/logprob_gap"])
+    Qwen3_5ForCausalLM.from_pretrained(run_dir / "final_hf")
+    assert "Warning" not in run.stderr and ".py:" not in run.stderr, run.stderr[-2000:]

@@ -115,3 +115,19 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tenso
         inside = (position_in_document >= shift).to(x.dtype)[None, :, None]
         out = out + shifted * inside * weight[:, width - 1 - shift]
     return F.silu(out)
+
+
+def transformers_on_torch_kernels() -> None:
+    """Make transformers' Qwen3.5 run its own pure-torch kernels. With flash-linear-attention installed it dispatches
+    to fla's Triton kernels, which need a GPU; this rebinds its module-level kernels to the torch code they wrap.
+    Process-wide: for processes that run HF Qwen3.5 on CPU (the local engine, the tiny-model builder, tests)."""
+    from transformers.models.qwen3_5 import modeling_qwen3_5
+
+    for name in (
+        "torch_chunk_gated_delta_rule",
+        "torch_recurrent_gated_delta_rule",
+        "causal_conv1d_fn",
+        "causal_conv1d_update",
+    ):
+        kernel = getattr(modeling_qwen3_5, name)
+        setattr(modeling_qwen3_5, name, getattr(kernel, "__wrapped__", kernel))

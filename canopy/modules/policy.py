@@ -1,8 +1,8 @@
-"""The policy: a TorchTitan Qwen3 built from an HF-format checkpoint directory.
+"""The policy: a TorchTitan model built from an HF-format checkpoint directory, by model family (`model_type` in
+its config.json): Qwen3 here, Qwen3.5 in `canopy.modules.qwen3_5`.
 
-Model definition comes from TorchTitan; weights move in and out through TorchTitan's own
-`Qwen3StateDictAdapter` (HF safetensors <-> TorchTitan names), so an exported policy loads in HF
-transformers and SGLang unchanged.
+Model definitions come from TorchTitan; weights move in and out through TorchTitan's own state-dict adapters
+(HF safetensors <-> TorchTitan names), so an exported policy loads in HF transformers and SGLang unchanged.
 """
 
 import json
@@ -28,7 +28,7 @@ from canopy.config import ConfigError
 _INIT = {"weight": partial(torch.nn.init.normal_, std=0.02), "bias": torch.nn.init.zeros_}
 
 
-MODEL_FAMILIES = ("qwen3",)  # model.family: what load_policy builds (TorchTitan Qwen3)
+MODEL_FAMILIES = {"qwen3": ("qwen3",), "qwen3_5": ("qwen3_5", "qwen3_5_text")}  # model.family: its model_types
 
 
 def read_hf_config(path: str | Path) -> dict:
@@ -39,9 +39,15 @@ def read_hf_config(path: str | Path) -> dict:
             "point model.path at a directory with config.json, *.safetensors and the tokenizer"
         )
     hf = json.loads(config_file.read_text())
-    if hf.get("model_type") != "qwen3":
-        raise ConfigError(f"model.path '{path}' holds model_type={hf.get('model_type')!r}; Canopy trains Qwen3 (qwen3)")
+    if model_family(hf) is None:
+        known = ", ".join(t for types in MODEL_FAMILIES.values() for t in types)
+        raise ConfigError(f"model.path '{path}' holds model_type={hf.get('model_type')!r}; Canopy trains {known}")
     return hf
+
+
+def model_family(hf: dict) -> str | None:
+    """The family whose model a config.json describes, or None."""
+    return next((family for family, types in MODEL_FAMILIES.items() if hf.get("model_type") in types), None)
 
 
 def qwen3_config_from_hf(hf: dict, max_seq_len: int | None = None) -> Qwen3Model.Config:
@@ -109,9 +115,15 @@ def read_hf_weights(path: str | Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def load_policy(path: str | Path, dtype: torch.dtype = torch.float32) -> tuple[Qwen3Model, Qwen3StateDictAdapter]:
-    """Build a TorchTitan Qwen3 from `path` and load its HF weights exactly (strict)."""
-    config = qwen3_config_from_hf(read_hf_config(path))
+def load_policy(path: str | Path, dtype: torch.dtype = torch.float32):
+    """Build the TorchTitan model of `path`'s family and load its HF weights exactly (strict); returns the model
+    and the adapter that exports it."""
+    hf = read_hf_config(path)
+    if model_family(hf) == "qwen3_5":
+        from canopy.modules.qwen3_5 import load_qwen3_5
+
+        return load_qwen3_5(path, hf, read_hf_weights(path), dtype)
+    config = qwen3_config_from_hf(hf)
     # the adapter reads the path only for a sharded checkpoint's index; a single-file checkpoint needs none
     sharded = (Path(path) / "model.safetensors.index.json").is_file()
     adapter = Qwen3StateDictAdapter(config, str(path) if sharded else None)
@@ -128,9 +140,12 @@ def unwrap(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
-def iter_hf_weights(model: torch.nn.Module, adapter: Qwen3StateDictAdapter):
+def iter_hf_weights(model: torch.nn.Module, adapter):
     """(HF name, full tensor) pairs, one tensor at a time: a sharded policy is never gathered whole anywhere.
     A collective when sharded: every rank must walk it to the end."""
+    if hasattr(adapter, "iter_hf_weights"):  # a family whose adapter converts several tensors together
+        yield from adapter.iter_hf_weights(model, unwrap)
+        return
     for name, value in model.state_dict().items():
         for hf_name, tensor in adapter.to_hf({name: value}).items():
             yield hf_name, unwrap(tensor.detach())

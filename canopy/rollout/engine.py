@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import ContextManager, Protocol
 
 import torch
-from transformers import AutoConfig, Qwen3ForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
 
 @dataclass(frozen=True)
@@ -119,7 +119,8 @@ class EngineHandle:
 
 
 class LocalEngine:
-    """Batched sampling with a KV cache from an HF `Qwen3ForCausalLM`, in-process, in float32."""
+    """Batched sampling with a KV cache (and Qwen3.5's recurrent state) from the HF causal LM of the checkpoint
+    (Qwen3, Qwen3.5), in-process, in float32."""
 
     dtype = "float32"
 
@@ -137,7 +138,11 @@ class LocalEngine:
         config = AutoConfig.from_pretrained(model_path)
         if rope_scaling:
             config.rope_parameters = {**config.rope_parameters, **rope_scaling}
-        self.model = Qwen3ForCausalLM.from_pretrained(model_path, config=config, dtype=torch.float32).eval()
+        if config.model_type.startswith("qwen3_5"):
+            from canopy.modules.gated_delta import transformers_on_torch_kernels
+
+            transformers_on_torch_kernels()  # in-process means CPU: fla's Triton kernels cannot run here
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, config=config, dtype=torch.float32).eval()
         self.stop_token_ids = torch.tensor(sorted(set(stop_token_ids)))
         self.pad_token_id = pad_token_id
         self.weight_version = 0

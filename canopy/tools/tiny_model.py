@@ -137,12 +137,15 @@ def build_tiny_checkpoint(
     max_position_embeddings: int = 2048,
     format_warmup_steps: int = 0,
     pad_vocab_multiple: int = 1,
+    family: str = "qwen3",
     seed: int = 0,
 ) -> Path:
-    """Write a randomly initialized (optionally format-warmed) Qwen3 in HF format and its tokenizer, atomically."""
+    """Write a randomly initialized (optionally format-warmed) Qwen3 or Qwen3.5 (`family`) in HF format and its
+    tokenizer, atomically. A tiny Qwen3.5 puts full attention on every 4th layer (and on the last, for fewer than
+    4) and Gated DeltaNet on the others, as Qwen3.5 does."""
     out_dir = Path(out_dir)
     tokenizer = build_tokenizer(pad_vocab_multiple=pad_vocab_multiple)
-    config = Qwen3Config(
+    shared = dict(
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,
         intermediate_size=intermediate_size,
@@ -157,7 +160,34 @@ def build_tiny_checkpoint(
         pad_token_id=tokenizer.pad_token_id,
     )
     torch.manual_seed(seed)
-    model = Qwen3ForCausalLM(config)
+    if family == "qwen3":
+        model = Qwen3ForCausalLM(Qwen3Config(**shared))
+    elif family == "qwen3_5":
+        from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+        from canopy.modules.gated_delta import transformers_on_torch_kernels
+
+        transformers_on_torch_kernels()
+        full = [(i + 1) % 4 == 0 or (layers < 4 and i == layers - 1) for i in range(layers)]
+        config = Qwen3_5TextConfig(
+            **shared,
+            layer_types=["full_attention" if f else "linear_attention" for f in full],
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=hidden_size // 4,
+            linear_value_head_dim=hidden_size // 4,
+            linear_conv_kernel_dim=4,
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 10_000_000.0,
+                "partial_rotary_factor": 0.5,
+                "mrope_section": [2, 1, 1],
+                "mrope_interleaved": True,
+            },
+        )
+        model = Qwen3_5ForCausalLM(config)
+    else:
+        raise ValueError(f"model.tiny.family={family!r} is unknown: use qwen3 or qwen3_5")
     if format_warmup_steps:
         format_warmup(model, tokenizer, format_warmup_steps, seed)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
