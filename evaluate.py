@@ -11,9 +11,8 @@ from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
-from transformers import AutoTokenizer
 
-from canopy.build import build_budget, build_engine, build_env, build_sampling, ensure_model
+from canopy.build import build_budget, build_engine, build_env, build_sampling, build_tokenizer, ensure_model
 from canopy.config import ConfigError, validate, validate_eval
 from canopy.envs.base import SystemicFaultError
 from canopy.eval.pilot import format_pilot, pilot_report
@@ -36,7 +35,7 @@ def main(cfg: DictConfig) -> None:
         validate_eval(cfg)
         base_path = ensure_model(cfg)
         model_path, weights = checkpoint_weights(cfg.checkpoint, base_path) if cfg.checkpoint else (base_path, None)
-        tokenizer = AutoTokenizer.from_pretrained(model_path)
+        tokenizer = build_tokenizer(cfg, model_path)
         env = build_env(cfg, log_dir=out_dir / "env_logs")
         engine = build_engine(cfg, model_path, tokenizer)  # applies budget.rope_scaling (YaRN) when set
         tasks = env.tasks(cfg.data.split if cfg.pilot else cfg.split)

@@ -14,7 +14,7 @@ from canopy.envs.worker import build_environment
 from canopy.mismatch import RolloutCorrection
 from canopy.modules.canopy_module import CanopyModule
 from canopy.modules.parallel import ParallelSettings
-from canopy.rollout.agent_loop import Budget
+from canopy.rollout.agent_loop import Budget, ChatTokenizer
 from canopy.rollout.engine import EngineHandle, LocalEngine, SamplingParams
 from canopy.rollout.sglang_engine import SGLangEngine, SGLangSettings, serving_dtype
 from canopy.tools.tiny_model import build_tiny_checkpoint
@@ -67,6 +67,12 @@ def build_engine(cfg: DictConfig, model_path: str, tokenizer):
     raise ConfigError(f"engine.name={cfg.engine.name!r} is unknown: use engine.name=local or engine.name=sglang")
 
 
+def build_tokenizer(cfg: DictConfig, model_path: str) -> ChatTokenizer:
+    """The checkpoint's tokenizer, its chat template applied with `model.chat_template_kwargs`."""
+    kwargs = OmegaConf.to_container(cfg.model.chat_template_kwargs) if cfg.model.get("chat_template_kwargs") else {}
+    return ChatTokenizer(AutoTokenizer.from_pretrained(model_path), **kwargs)
+
+
 def build_budget(cfg: DictConfig) -> Budget:
     return Budget(**{field.name: cfg.budget[field.name] for field in fields(Budget)})
 
@@ -95,7 +101,7 @@ def build_datamodule(
     cfg: DictConfig, model_path: str, engine: EngineHandle | None = None, log_dir: str | Path | None = None
 ) -> RolloutDataModule:
     """The rollout data module, generating with `engine` (the run's handle; a new one when not given)."""
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    tokenizer = build_tokenizer(cfg, model_path)
     return RolloutDataModule(
         build_env(cfg, log_dir),
         engine or build_engine_handle(cfg, model_path),

@@ -2,7 +2,7 @@ import pytest
 
 from canopy.envs.base import AgentFailure, EnvironmentFault, StepResult, Task, Verdict
 from canopy.envs.embedded import EmbeddedEnvironment
-from canopy.rollout.agent_loop import Budget, render_prompt, run_episodes
+from canopy.rollout.agent_loop import Budget, ChatTokenizer, render_observation, render_prompt, run_episodes
 from canopy.rollout.engine import SamplingParams
 from tests.scripted import ScriptedEngine
 
@@ -136,3 +136,36 @@ def test_episodes_are_batched_per_turn_and_returned_in_job_order(tokenizer):
     assert len(engine.calls[0][0]) == 3  # one batched call for all live episodes
     assert [t.ending for t in trajectories] == ["done", "turn_limit", "done"]
     assert set(timings) == {"generation", "env"}
+
+
+@pytest.mark.parametrize("thinking", [None, False])
+def test_chat_template_options_reach_the_prompt_and_every_observation(tokenizer, thinking):
+    """Token for token: prompt + generated turn + rendered observation equal the chat template's own rendering of
+    the conversation, with the experiment's options (Table A3: enable_thinking=False opens every assistant turn
+    with an empty think block), and the episode's tokens carry them."""
+    chat = ChatTokenizer(tokenizer) if thinking is None else ChatTokenizer(tokenizer, enable_thinking=thinking)
+    think = "" if thinking is None else "<think>\n\n</think>\n\n"
+    messages = [{"role": "system", "content": "vault world"}, {"role": "user", "content": "task : vault 1"}]
+    prompt = render_prompt(chat, messages)
+    turn = tokenizer.encode("login", add_special_tokens=False) + [tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    observation = render_observation(chat, "status : guest", cap=32, close_turn=False)
+    conversation = messages + [
+        {"role": "assistant", "content": think + "login"},
+        {"role": "user", "content": "status : guest"},
+    ]
+    text = tokenizer.apply_chat_template(
+        conversation, add_generation_prompt=True, tokenize=False, enable_thinking=thinking
+    )
+    assert prompt + turn + observation == tokenizer.encode(text, add_special_tokens=False)
+    block = tokenizer.encode("<think>\n\n</think>\n\n", add_special_tokens=False)
+    for ids in (prompt, observation):
+        assert (ids[-len(block) :] == block) == (thinking is False)
+    engine = ScriptedEngine(tokenizer, ["open"])  # never solves it: two turns, one observation between
+    task = EmbeddedEnvironment().tasks("train")[0]
+    budget = Budget(
+        max_turns=2, max_response_tokens=64, max_prompt_tokens=256, max_observation_tokens=32, max_context_tokens=512
+    )
+    (episode,), _ = run_episodes(engine, EmbeddedEnvironment(), chat, [(task, 0)], budget, SamplingParams())
+    first_prompt = engine.calls[0][0][0]
+    assert (first_prompt[-len(block) :] == block) == (thinking is False)
+    assert episode.num_turns == 2 and episode.token_ids.count(block[0]) == (2 if thinking is False else 0)

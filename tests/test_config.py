@@ -193,3 +193,14 @@ def test_model_family_follows_the_tiny_model_and_must_match_the_checkpoint(tiny_
     with pytest.raises(ConfigError, match=r"model.family=qwen3_5 but model.path .* holds model_type='qwen3': set "):
         validate(config(f"model.path={tiny_path}", "model.family=qwen3_5"))
     assert config("experiment=swebench_canopy", "model.path=/m").model.family == "qwen3_5"
+
+
+def test_chat_template_options_come_from_the_experiment(tiny_path):
+    from canopy.build import build_tokenizer
+
+    assert build_tokenizer(config(), tiny_path).template_kwargs == {}
+    swebench = config("experiment=swebench_canopy", f"model.path={tiny_path}")
+    tokenizer = build_tokenizer(swebench, tiny_path)
+    assert tokenizer.template_kwargs == {"enable_thinking": False}
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "x"}], add_generation_prompt=True, tokenize=False)
+    assert text.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")

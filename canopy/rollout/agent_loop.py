@@ -6,6 +6,7 @@ re-tokenized, so the trainer scores exactly the tokens the engine sampled. All l
 step generate together, one batched engine call per turn.
 """
 
+import functools
 import time
 from collections import deque
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
@@ -76,17 +77,49 @@ class _Live:
         self.index, self.episode, self.trajectory = index, episode, trajectory
 
 
+class ChatTokenizer:
+    """A tokenizer whose chat template is always applied with the experiment's options (`model.chat_template_kwargs`,
+    e.g. `enable_thinking: false` for Table A3's Qwen3.5), so that the prompt and every rendered observation follow
+    them. Everything else is the wrapped tokenizer's (saving it saves the tokenizer unchanged)."""
+
+    def __init__(self, tokenizer, **template_kwargs):
+        self.tokenizer, self.template_kwargs = tokenizer, template_kwargs
+
+    def __getattr__(self, name: str):
+        if name == "tokenizer":  # not set yet (unpickling): no recursion
+            raise AttributeError(name)
+        return getattr(self.tokenizer, name)
+
+    def __len__(self) -> int:
+        return len(self.tokenizer)
+
+    def apply_chat_template(self, conversation, **kwargs):
+        return self.tokenizer.apply_chat_template(conversation, **{**self.template_kwargs, **kwargs})
+
+
 def render_prompt(tokenizer, messages: list[dict]) -> list[int]:
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     return tokenizer.encode(text, add_special_tokens=False)
 
 
+@functools.lru_cache(maxsize=8)
+def assistant_opening(tokenizer) -> str:
+    """What the chat template appends to open an assistant turn, with its options (Qwen's `<|im_start|>assistant\\n`,
+    plus an empty think block when thinking is disabled)."""
+    probe = [{"role": "user", "content": "?"}]
+    closed = tokenizer.apply_chat_template(probe, add_generation_prompt=False, tokenize=False)
+    opened = tokenizer.apply_chat_template(probe, add_generation_prompt=True, tokenize=False)
+    if not opened.startswith(closed):
+        raise ValueError("the chat template's generation prompt does not extend the conversation it follows")
+    return opened[len(closed) :]
+
+
 def render_observation(tokenizer, observation: str, cap: int, close_turn: bool) -> list[int]:
-    """Ids of `<|im_end|>`? + `\\n<|im_start|>user\\n{obs}<|im_end|>\\n<|im_start|>assistant\\n`, obs capped to
-    `cap` tokens."""
+    """Ids of `<|im_end|>`? + `\\n<|im_start|>user\\n{obs}<|im_end|>\\n` + the template's assistant opening, obs
+    capped to `cap` tokens."""
     content = tokenizer.encode(observation, add_special_tokens=False)[:cap]
     head = ("<|im_end|>" if close_turn else "") + "\n<|im_start|>user\n"
-    tail = "<|im_end|>\n<|im_start|>assistant\n"
+    tail = "<|im_end|>\n" + assistant_opening(tokenizer)
     return tokenizer.encode(head, add_special_tokens=False) + content + tokenizer.encode(tail, add_special_tokens=False)
 
 

@@ -29,12 +29,15 @@ from canopy.envs.embedded import ACTIONS, VOCABULARY, EmbeddedEnvironment
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
 CHAT_WORDS = ["\n", "system", "user", "assistant", "<unk>"]
 
-# Qwen's chat format, without tools: <|im_start|>{role}\n{content}<|im_end|>\n
+# Qwen's chat format, without tools: <|im_start|>{role}\n{content}<|im_end|>\n; thinking disabled opens each
+# assistant turn with an empty think block, as Qwen3's template does
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
     "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
+    "{% if enable_thinking is defined and enable_thinking is false %}{{ '<think>\n\n</think>\n\n' }}{% endif %}"
+    "{% endif %}"
 )
 
 
