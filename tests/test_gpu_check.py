@@ -29,3 +29,21 @@ def test_gpu_check_cpu_dry_run_passes():
         assert float(step_time) > 0 and int(tokens_per_s.replace(",", "")) > 0
     assert "(b) dp_shard=1 x tp=2 x cp=1 against one rank" in lines
     assert "  matches one rank" in lines
+
+
+@pytest.mark.slow
+def test_qwen3_5_gpu_check_cpu_dry_run_passes():
+    """The Qwen3.5 GPU check's code path on CPU: our kernels against transformers' (fla's need a GPU), fp32 and
+    bf16, forward and backward, then a policy step."""
+    run = subprocess.run(
+        [sys.executable, "scripts/gpu_check_qwen3_5.py", "--cpu-dry-run"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    lines = run.stdout.strip().splitlines()
+    assert lines[-1] == "gpu_check_qwen3_5: PASS"
+    assert sum("max relative difference" in line for line in lines) == 14  # 6 tensors + conv, two dtypes
+    assert re.search(r"policy step: step time [\d.]+ s, [\d,]+ tokens/s, MFU n/a", run.stdout)
