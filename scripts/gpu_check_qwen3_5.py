@@ -4,8 +4,10 @@ Gated DeltaNet, and the Qwen3.5 policy's training step.
 (a) kernels: fla's `chunk_gated_delta_rule` and `causal_conv1d` against `canopy.modules.gated_delta` on random
     inputs, forward and backward, in float32 and bfloat16; prints the largest relative differences and the time of
     each (fla / torch).
-(b) policy: a random Qwen3.5 (`canopy.modules.qwen3_5`, the torch kernels) forward + backward on one GPU in bf16
-    autocast; prints step time, tokens/s and MFU (TorchTitan's FLOPs per token; H200 bf16 dense peak 989 TFLOP/s).
+(b) policy: a random Qwen3.5 (`canopy.modules.qwen3_5`): its logits on the GPU (fla's kernels, each row a document
+    of TorchTitan's folded stream) against the same policy on CPU (the torch kernels, row by row), in float32; then
+    forward + backward in bf16 autocast: step time, tokens/s and MFU (TorchTitan's FLOPs per token; H200 bf16
+    dense peak 989 TFLOP/s). The dry run has no second device to compare with and only times the step.
 
     python scripts/gpu_check_qwen3_5.py                # GPU machine, with fla-core installed
     python scripts/gpu_check_qwen3_5.py --cpu-dry-run  # the same code path, tiny, on CPU; (a) against transformers'
@@ -118,9 +120,19 @@ def check_policy_step(device, cpu: bool) -> list[str]:
     with tempfile.TemporaryDirectory() as tmp:
         path = build_tiny_checkpoint(Path(tmp) / "q35", family="qwen3_5", **size)
         policy, _ = load_policy(path)
-    policy.to(device)
     vocab = policy.tok_embeddings.num_embeddings
-    ids = torch.randint(0, vocab, (rows, length), device=device)
+    ids = torch.randint(0, vocab, (rows, length))
+    failed = []
+    if not cpu:
+        with torch.no_grad():
+            on_cpu = policy(ids[:, :512])
+            on_gpu = policy.to(device)(ids[:, :512].to(device)).cpu()
+        error = relative(on_gpu, on_cpu)
+        print(f"  policy logits, fla on GPU vs torch kernels on CPU: max relative difference {error:.2e}")
+        if error > TOLERANCE[torch.float32]:
+            failed.append(f"policy logits GPU vs CPU {error:.1e}")
+    policy.to(device)
+    ids = ids.to(device)
     times = []
     for _ in range(3):
 
@@ -138,7 +150,7 @@ def check_policy_step(device, cpu: bool) -> list[str]:
     _, flops_per_token = policy.config.get_nparams_and_flops(policy, length)
     mfu = "n/a" if cpu else f"{100 * flops_per_token * tokens / step_time / H200_BF16_PEAK:.1f}%"
     print(f"  policy step: step time {step_time:.3f} s, {tokens / step_time:,.0f} tokens/s, MFU {mfu}")
-    return [] if torch.isfinite(loss) else ["policy loss not finite"]
+    return failed + ([] if torch.isfinite(loss) else ["policy loss not finite"])
 
 
 def main() -> None:
@@ -154,7 +166,7 @@ def main() -> None:
     print("(a) Gated DeltaNet kernels: ours against " + ("transformers' torch kernels" if cpu else "fla's"))
     for dtype in (torch.float32, torch.bfloat16):
         failed += check_kernels(device, dtype, shape, cpu)
-    print("(b) Qwen3.5 policy training step (torch kernels)")
+    print("(b) Qwen3.5 policy: " + ("training step (torch kernels)" if cpu else "GPU against CPU, training step"))
     failed += check_policy_step(device, cpu)
     print("gpu_check_qwen3_5: PASS" if not failed else f"gpu_check_qwen3_5: FAIL ({'; '.join(failed)})")
     sys.exit(1 if failed else 0)

@@ -3,8 +3,9 @@ trained on text only. Weights move through TorchTitan's `Qwen35StateDictAdapter`
 checkpoint is not trained and is carried through export unchanged, so the exported checkpoint stays complete.
 
 Qwen3.5 interleaves Gated DeltaNet (linear attention) layers with full-attention ones. TorchTitan runs Gated
-DeltaNet with flash-linear-attention's Triton kernels, on GPUs only; on CPU each Gated DeltaNet layer runs the
-pure-torch kernels of `canopy.modules.gated_delta` instead, row by row (each row one sequence from position 0).
+DeltaNet with flash-linear-attention's Triton kernels, on GPUs only: there the policy passes each row as one
+document (TorchTitan folds the batch into one stream and restarts the state at document offsets). Elsewhere each
+Gated DeltaNet layer runs the pure-torch kernels of `canopy.modules.gated_delta`, row by row.
 """
 
 import re
@@ -12,8 +13,9 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torchtitan.distributed.utils import set_spmd_backend
 from torchtitan.models.common import Embedding, Linear
-from torchtitan.models.common.attention import ScaledDotProductAttention
+from torchtitan.models.common.attention import ScaledDotProductAttention, create_varlen_metadata_for_document
 from torchtitan.models.common.config_utils import make_ffn_config
 from torchtitan.models.qwen3_5 import (
     _EMBEDDING_INIT,
@@ -32,7 +34,6 @@ from torchtitan.models.qwen3_5.state_dict_adapter import Qwen35StateDictAdapter
 from canopy.config import ConfigError
 from canopy.modules.gated_delta import causal_conv1d, chunk_gated_delta_rule
 
-MODEL_TYPES = ("qwen3_5", "qwen3_5_text")  # multimodal checkpoints, and text-only ones (Qwen3_5ForCausalLM)
 TEXT_PREFIX = "model.language_model."  # where the adapter expects the language model's tensors
 
 
@@ -124,12 +125,13 @@ def qwen3_5_config_from_hf(hf: dict, max_seq_len: int | None = None) -> Qwen35Mo
     )
 
 
-class TorchGatedDeltaNet(GatedDeltaNet):
-    """TorchTitan's Gated DeltaNet layer, same parameters, run with the pure-torch kernels (CPU): every row is one
-    sequence, so the convolution and the recurrent state start fresh at each row (TorchTitan folds the batch
-    into one stream and resets only at the document offsets of its attention masks)."""
+class PortableGatedDeltaNet(GatedDeltaNet):
+    """TorchTitan's Gated DeltaNet layer, same parameters: on CUDA its own forward (fla's kernels), elsewhere the
+    pure-torch kernels, every row one sequence whose convolution and recurrent state start fresh."""
 
     def forward(self, x_BLD: torch.Tensor, attention_masks=None) -> torch.Tensor:
+        if x_BLD.is_cuda:
+            return super().forward(x_BLD, attention_masks)
         B, L, _ = x_BLD.shape
 
         def heads(t: torch.Tensor, head_dim: int) -> torch.Tensor:
@@ -153,16 +155,24 @@ class Qwen35TextPolicy(Qwen35Model):
         self.vision_encoder = None  # text only: the checkpoint's vision tower stays in the checkpoint
         self.special_tokens = {"image_id": image_token_id, "video_id": video_token_id}
 
-    def use_torch_kernels(self) -> None:
-        """Run every Gated DeltaNet layer with the pure-torch kernels (where fla's Triton kernels cannot run)."""
+    def portable(self) -> "Qwen35TextPolicy":
+        """Let every Gated DeltaNet layer run where fla's Triton kernels cannot (`PortableGatedDeltaNet`)."""
         for module in self.modules():
             if type(module) is GatedDeltaNet:
-                module.__class__ = TorchGatedDeltaNet
+                module.__class__ = PortableGatedDeltaNet
+        return self
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [B, T, V]; every row is one sequence starting at position 0 (as the trainer's rows are)."""
         if positions is None:
             positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
-        return super().forward(tokens, positions=positions, special_tokens=self.special_tokens)
+        masks = None
+        if tokens.is_cuda:  # fla's kernels see the batch as one stream: each row is a document of its own
+            masks = {
+                "quadratic_attention": None,  # SDPA, causal within each row
+                "deltanet": create_varlen_metadata_for_document(positions, include_host_offsets=True),
+            }
+        return super().forward(tokens, attention_masks=masks, positions=positions, special_tokens=self.special_tokens)
 
 
 class Qwen35Checkpoint:
@@ -229,5 +239,5 @@ def load_qwen3_5(path: str | Path, hf: dict, hf_weights: dict[str, torch.Tensor]
     model.init_states(buffer_device=torch.device("cpu"))  # RoPE cache; parameters are overwritten below
     checkpoint = Qwen35Checkpoint(config, path, multimodal="text_config" in hf)
     model.load_state_dict(checkpoint.policy_state(hf_weights), strict=True)
-    model.use_torch_kernels()  # the fla path (GPU) needs per-row document offsets: not wired yet
-    return model.to(dtype), checkpoint
+    set_spmd_backend("partial_dtensor")  # the attention-mask dict is plain tensors, not SPMD-typed inputs
+    return model.portable().to(dtype), checkpoint
