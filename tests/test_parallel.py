@@ -80,3 +80,17 @@ def test_only_global_rank_zero_builds_the_engine(tokenizer):
     assert built == [zero.engine] and "engine_rng" not in other.state_dict() and other.engine_handle.version == 1
     zero.engine_handle.sync(iter(weights), 1, generating=True)
     assert built == [zero.engine] and zero.engine.version == 1 and "engine_rng" in state
+
+
+@pytest.mark.slow
+def test_qwen3_5_with_fsdp_on_two_processes_matches_one(tmp_path):
+    """`train.py model.tiny.family=qwen3_5 trainer.devices=2 parallelism.dp_shard=2`: Qwen3.5 sharded with
+    TorchTitan's parallelize_qwen3_5 and loaded one decoder layer at a time reproduces one process step for step."""
+    common = ("report.eval_samples_per_task=0", "model.tiny.family=qwen3_5", "callbacks=none")
+    single = read_scalars(train(tmp_path, 2, *common, name="single")[0] / "tensorboard")
+    run_dir, _ = train(tmp_path, 2, *common, "trainer.devices=2", "parallelism.dp_shard=2", name="fsdp")
+    sharded = read_scalars(run_dir / "tensorboard")
+    for tag in ("actor/loss", "actor/kl", "actor/entropy", "actor/grad_norm", "reward/success"):
+        for (_, a), (_, b) in zip(single[tag], sharded[tag], strict=True):
+            assert abs(a - b) <= 1e-5 * max(1.0, abs(a)), (tag, a, b)
+    assert (run_dir / "final_hf" / "model.safetensors").is_file()

@@ -113,3 +113,11 @@ def test_local_engine_samples_qwen3_5_with_the_trainers_logprobs(qwen3_5_path):
             p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(4)) * 0.05)
     engine.update_weights(export_hf_state_dict(policy, adapter).items(), version=1)
     check(engine.generate(prompts, [12, 12], SamplingParams(temperature=0.7)))
+
+
+def test_tensor_parallel_qwen3_5_on_cpu_is_refused_in_one_line(qwen3_5_path):
+    from canopy.config import ConfigError
+    from canopy.modules.parallel import ParallelSettings, build_parallel_policy
+
+    with pytest.raises(ConfigError, match="use parallelism.dp_shard \\(FSDP\\), or GPUs"):
+        build_parallel_policy(qwen3_5_path, ParallelSettings(tp=2), 2, torch.device("cpu"))

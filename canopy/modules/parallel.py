@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from torch.distributed.fsdp import FSDPModule
 
 from canopy.config import ConfigError
-from canopy.modules.policy import qwen3_config_from_hf, read_hf_config, safetensors_files
+from canopy.modules.policy import model_family, qwen3_config_from_hf, read_hf_config, safetensors_files
 
 
 @dataclass(frozen=True)
@@ -61,14 +61,22 @@ def build_parallel_policy(
     trainable: bool = True,
     dims=None,
 ):
-    """Meta-build a TorchTitan Qwen3, parallelize it over `world_size` processes, and load its HF weights.
-    The frozen reference (`trainable=False`) is sharded the same way (pass the policy's `dims` to reuse its
-    meshes), without activation checkpointing."""
+    """Meta-build the TorchTitan model of `path`'s family (Qwen3, Qwen3.5), parallelize it over `world_size`
+    processes, and load its HF weights. The frozen reference (`trainable=False`) is sharded the same way (pass the
+    policy's `dims` to reuse its meshes), without activation checkpointing."""
     import torchtitan.distributed.parallel_dims as parallel_dims_module
     from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
     from torchtitan.distributed import ParallelDims
     from torchtitan.models.qwen3 import parallelize_qwen3
     from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter
+
+    hf = read_hf_config(path)
+    qwen3_5 = model_family(hf) == "qwen3_5"
+    if qwen3_5 and (settings.tp > 1 or settings.cp > 1) and device.type == "cpu":
+        raise ConfigError(
+            "parallelism.tp / cp > 1 with Qwen3.5 on CPU: its torch Gated DeltaNet kernels run unsharded; use "
+            "parallelism.dp_shard (FSDP), or GPUs"
+        )
 
     if settings.dp_shard * settings.tp * settings.cp != world_size:
         raise ConfigError(
@@ -86,16 +94,24 @@ def build_parallel_policy(
     if dims is None:
         dims = ParallelDims.from_config(parallelism, world_size)
         dims.build_mesh()
-    config = qwen3_config_from_hf(read_hf_config(path))
+    if qwen3_5:
+        from canopy.modules.qwen3_5 import build_qwen3_5, parallelize_qwen3_5
+
+        config, model, checkpoint = build_qwen3_5(path, hf, meta=True)
+        config.update_from_config(config=_WithParallelism(parallelism))
+        parallelize, adapter = parallelize_qwen3_5, checkpoint
+    else:
+        config = qwen3_config_from_hf(hf)
+        config.update_from_config(config=_WithParallelism(parallelism))
+        with torch.device("meta"):
+            model = config.build()
+        parallelize, adapter = parallelize_qwen3, Qwen3StateDictAdapter(config, None)
     if settings.dp_shard > 1 and settings.tp > 1 and config.vocab_size % (settings.dp_shard * settings.tp):
         raise ConfigError(
             f"vocab_size={config.vocab_size} must be divisible by dp_shard x tp = {settings.dp_shard * settings.tp} "
             "for FSDP x TP: pad the vocabulary (Qwen3's 151,936 is) or use one of the two"
         )
-    config.update_from_config(config=_WithParallelism(parallelism))
-    with torch.device("meta"):
-        model = config.build()
-    parallelize_qwen3(
+    parallelize(
         model,
         parallel_dims=dims,
         training=TrainingConfig(mixed_precision_param=settings.mixed_precision, mixed_precision_reduce="float32"),
@@ -106,8 +122,10 @@ def build_parallel_policy(
     )
     model.to_empty(device=device)
     model.init_states(buffer_device=device)
-    adapter = Qwen3StateDictAdapter(config, None)
-    load_hf_sharded(model, adapter, path)
+    if qwen3_5:
+        adapter.load_sharded(model, path)
+    else:
+        load_hf_sharded(model, adapter, path)
     for module in model.modules():
         if isinstance(module, FSDPModule):
             # the loss is already divided by the global action-token count (Eq. 8), so gradients are summed

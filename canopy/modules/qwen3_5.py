@@ -26,6 +26,7 @@ from torchtitan.models.qwen3_5 import (
     _qwen35_attention_config,
     _qwen35_deltanet_config,
     _qwen35_vision_encoder_config,
+    parallelize_qwen3_5,  # noqa: F401  (re-exported for canopy.modules.parallel)
 )
 from torchtitan.models.qwen3_5.model import GatedDeltaNet, Qwen35Model, Qwen35TransformerBlock
 from torchtitan.models.qwen3_5.rope import MRoPE
@@ -199,6 +200,36 @@ class Qwen35Checkpoint:
         renamed = {self.to_adapter_names(k): v for k, v in hf_state.items()}
         return self.adapter.from_hf({k: v for k, v in renamed.items() if k is not None})
 
+    def load_sharded(self, model: torch.nn.Module, path: str | Path) -> None:
+        """Stream the checkpoint into a sharded policy one decoder layer at a time (the adapter fuses a layer's
+        tensors), never holding the whole model; every parameter must be covered."""
+        from safetensors import safe_open
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        groups: dict[str, dict[str, tuple[Path, str]]] = {}
+        for file in sorted(Path(path).glob("*.safetensors")):
+            with safe_open(file, "pt") as f:
+                for hf_name in f.keys():
+                    name = self.to_adapter_names(hf_name)
+                    if name is not None:
+                        match = re.search(r"layers\.\d+\.", name)
+                        groups.setdefault(match.group(0) if match else "rest", {})[name] = (file, hf_name)
+        rest = groups.pop("rest")
+        embedding = next(n for n in rest if n.endswith("embed_tokens.weight"))
+        expected, loaded = set(model.state_dict()), set()
+        options = StateDictOptions(full_state_dict=True, strict=False)
+        for group in [rest, *groups.values()]:
+            # the adapter wants the embedding beside any group (it may copy it into a missing lm_head)
+            tensors = {name: _read(*where) for name, where in {**group, embedding: rest[embedding]}.items()}
+            converted = self.adapter.from_hf(tensors)
+            if group is not rest:
+                converted = {k: v for k, v in converted.items() if k.startswith("layers.")}
+            set_model_state_dict(model, converted, options=options)
+            loaded |= set(converted)
+        missing = expected - loaded
+        if missing:
+            raise ConfigError(f"checkpoint at '{path}' lacks {sorted(missing)[:3]}...: it does not match config.json")
+
     def iter_hf_weights(self, model: torch.nn.Module, unwrap):
         """(HF name, full tensor) pairs, one decoder layer at a time (the adapter fuses a layer's q / k / v and
         their convolutions), then the tensors carried through from the base checkpoint."""
@@ -214,6 +245,13 @@ class Qwen35Checkpoint:
         yield from carried_through(self.path)
 
 
+def _read(file: Path, name: str) -> torch.Tensor:
+    from safetensors import safe_open
+
+    with safe_open(file, "pt") as f:
+        return f.get_tensor(name)
+
+
 def carried_through(path: Path):
     """The checkpoint's tensors the policy does not train (vision tower, multi-token prediction), unchanged."""
     from safetensors import safe_open
@@ -225,8 +263,9 @@ def carried_through(path: Path):
                     yield name, f.get_tensor(name)
 
 
-def load_qwen3_5(path: str | Path, hf: dict, hf_weights: dict[str, torch.Tensor], dtype: torch.dtype):
-    """Build the text policy from `path` and load its HF weights exactly (strict over what it trains)."""
+def build_qwen3_5(path: str | Path, hf: dict, meta: bool = False):
+    """(config, text policy, checkpoint mover) for `path`, the policy on the meta device (to be sharded, then
+    materialized) or on CPU with its buffers initialized (its parameters to be loaded)."""
     config = qwen3_5_config_from_hf(hf)
     t = text_config(hf)
     with torch.device("meta"):
@@ -234,10 +273,16 @@ def load_qwen3_5(path: str | Path, hf: dict, hf_weights: dict[str, torch.Tensor]
             config,
             image_token_id=hf.get("image_token_id", t.get("image_token_id", -1)),
             video_token_id=hf.get("video_token_id", t.get("video_token_id", -1)),
-        )
-    model.to_empty(device="cpu")
-    model.init_states(buffer_device=torch.device("cpu"))  # RoPE cache; parameters are overwritten below
-    checkpoint = Qwen35Checkpoint(config, path, multimodal="text_config" in hf)
-    model.load_state_dict(checkpoint.policy_state(hf_weights), strict=True)
+        ).portable()
+    if not meta:
+        model.to_empty(device="cpu")
+        model.init_states(buffer_device=torch.device("cpu"))  # RoPE cache; parameters are loaded after
     set_spmd_backend("partial_dtensor")  # the attention-mask dict is plain tensors, not SPMD-typed inputs
-    return model.portable().to(dtype), checkpoint
+    return config, model, Qwen35Checkpoint(config, path, multimodal="text_config" in hf)
+
+
+def load_qwen3_5(path: str | Path, hf: dict, hf_weights: dict[str, torch.Tensor], dtype: torch.dtype):
+    """Build the text policy from `path` and load its HF weights exactly (strict over what it trains)."""
+    _, model, checkpoint = build_qwen3_5(path, hf)
+    model.load_state_dict(checkpoint.policy_state(hf_weights), strict=True)
+    return model.to(dtype), checkpoint
