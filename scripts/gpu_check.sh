@@ -19,6 +19,7 @@ check() {  # check NAME SECONDS COMMAND...
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
 check parallel 300 "$PY" scripts/gpu_check_parallel.py --timeout 140
 check qwen3_5 240 "$PY" scripts/gpu_check_qwen3_5.py   # needs fla-core (a small pure-python wheel) beside CUDA torch
+check parallel_qwen3_5 240 "$PY" scripts/gpu_check_parallel.py --family qwen3_5 --timeout 110
 if [ -n "${CANOPY_SGLANG_PYTHON:-}" ]; then
     check sglang 300 env PYTHONPATH=. "$CANOPY_SGLANG_PYTHON" scripts/gpu_check_sglang.py --timeout 280
 else

@@ -7,9 +7,12 @@ random Qwen3, and, with two or more GPUs, context parallel (x TP x FSDP) against
 (b) if torch.cuda.device_count() >= 2: the same steps over dp_shard x tp x cp (cp = 2, tp = 2 from 4 GPUs, up to 8),
     compared with (a): ring attention over head-tail sharded sequences, which only GPUs run. The CPU dry run
     checks dp_shard x tp instead (SDPA has no CPU sharding rule for CP).
+`--family qwen3_5` runs both parts on a random Qwen3.5 (Gated DeltaNet + full attention): (b) as tp = 2 x dp_shard
+(TorchTitan has no CP for Qwen3.5), and on the CPU dry run as dp_shard = 2 (its torch kernels run unsharded).
 
     python scripts/gpu_check_parallel.py                # GPU machine; scripts/gpu_check.sh runs it
     python scripts/gpu_check_parallel.py --cpu-dry-run  # the same code path, tiny, on CPU (gloo)
+    python scripts/gpu_check_parallel.py --family qwen3_5 [--cpu-dry-run]
 
 Each part runs under torchrun with a timeout; the last line is `gpu_check_parallel: PASS` or `... FAIL (why)`.
 Nothing is downloaded: the model is a random Qwen3 written locally in HF format.
@@ -55,6 +58,31 @@ def write_random_qwen3(path: Path, shape: dict) -> Path:
     )
     torch.manual_seed(0)
     Qwen3ForCausalLM(config).save_pretrained(path)
+    return path
+
+
+def write_random_qwen3_5(path: Path, shape: dict) -> Path:
+    """A random Qwen3.5 of the same size: Gated DeltaNet layers with full attention on every 4th (and the last)."""
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    layers = shape["num_hidden_layers"]
+    config = Qwen3_5TextConfig(
+        **{k: shape[k] for k in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim")},
+        intermediate_size=shape["intermediate_size"],
+        vocab_size=shape["vocab_size"],
+        num_hidden_layers=layers,
+        layer_types=[
+            "full_attention" if (i + 1) % 4 == 0 or i == layers - 1 else "linear_attention" for i in range(layers)
+        ],
+        linear_num_key_heads=4,
+        linear_num_value_heads=8,
+        linear_key_head_dim=shape["head_dim"],
+        linear_value_head_dim=shape["head_dim"],
+        max_position_embeddings=shape["seq_len"],
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    Qwen3_5ForCausalLM(config).save_pretrained(path)
     return path
 
 
@@ -221,6 +249,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cpu-dry-run", action="store_true", help="tiny model on CPU (gloo): exercises the code path")
     parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--family", choices=("qwen3", "qwen3_5"), default="qwen3", help="the policy's model family")
     parser.add_argument("--timeout", type=int, default=240, help="seconds per part")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--model", type=Path, help=argparse.SUPPRESS)
@@ -234,7 +263,8 @@ def main() -> None:
     shape, failures = (CPU_MODEL if args.cpu_dry_run else GPU_MODEL), []
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as scratch:
         scratch = Path(scratch)
-        args.model = write_random_qwen3(scratch / "qwen3", shape)
+        write = write_random_qwen3_5 if args.family == "qwen3_5" else write_random_qwen3
+        args.model = write(scratch / args.family, shape)
         print(f"(a) one rank, {shape['rows']} x {shape['seq_len']} tokens per step, {args.steps} steps")
         single = run_part(args, 1, 1, 1, scratch / "single.json", args.timeout)
         if single is None:
@@ -249,6 +279,8 @@ def main() -> None:
             print("(b) skipped: one GPU (CP, TP and FSDP need two or more)")
         elif single is not None:
             tp, cp = (2, 1) if args.cpu_dry_run else (2 if gpus >= 4 else 1, 2)
+            if args.family == "qwen3_5":  # no CP in TorchTitan's Qwen3.5; on CPU its torch kernels run unsharded
+                tp, cp = (1, 1) if args.cpu_dry_run else (2, 1)
             dp = gpus // (tp * cp)
             print(f"(b) dp_shard={dp} x tp={tp} x cp={cp} against one rank")
             sharded = run_part(args, dp, tp, cp, scratch / "sharded.json", args.timeout)

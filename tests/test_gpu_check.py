@@ -47,3 +47,19 @@ def test_qwen3_5_gpu_check_cpu_dry_run_passes():
     assert lines[-1] == "gpu_check_qwen3_5: PASS"
     assert sum("max relative difference" in line for line in lines) == 14  # 6 tensors + conv, two dtypes
     assert re.search(r"policy step: step time [\d.]+ s, [\d,]+ tokens/s, MFU n/a", run.stdout)
+
+
+@pytest.mark.slow
+def test_gpu_check_for_qwen3_5_cpu_dry_run_passes():
+    """`--family qwen3_5`: a random Qwen3.5 through the real update on one rank, then FSDP on 2 gloo processes."""
+    run = subprocess.run(
+        [sys.executable, "scripts/gpu_check_parallel.py", "--family", "qwen3_5", "--cpu-dry-run", "--steps", "3"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    lines = run.stdout.strip().splitlines()
+    assert lines[-1] == "gpu_check_parallel: PASS"
+    assert "(b) dp_shard=2 x tp=1 x cp=1 against one rank" in lines and "  matches one rank" in lines
