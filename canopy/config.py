@@ -150,8 +150,8 @@ def validate(cfg: DictConfig) -> None:
     if cfg.model.path is not None:
         from canopy.modules.policy import model_family
 
-        declared = json.loads((Path(cfg.model.path) / "config.json").read_text()).get("model_type")
-        found = model_family({"model_type": declared})
+        hf = json.loads((Path(cfg.model.path) / "config.json").read_text())
+        declared, found = hf.get("model_type"), model_family(hf)
         require(
             found == cfg.model.family,
             f"model.family={cfg.model.family} but model.path '{cfg.model.path}' holds model_type={declared!r}"

@@ -107,7 +107,7 @@ def correction_metrics(
 ) -> dict[str, torch.Tensor]:
     """Sums of one micro-batch's share of the correction's metrics (normalized as in `mismatch_metrics`): the mean
     weight per action token, and the fraction of action tokens truncated (token_tis) or masked (token_mask), or of
-    sequences masked (sequence_mask). None when no correction is on."""
+    sequences masked (sequence_mask). Nothing when no correction is on."""
     if correction.mode == "none":
         return {}
     mask = action_mask.to(weights.dtype)

@@ -314,10 +314,9 @@ class CanopyModule(L.LightningModule):
             grad_norms.append(float(unwrap(grad_norm)))
             optimizer.step()  # Lightning's LightningOptimizer: precision plugin, hooks, one global step each
             optimizer.zero_grad()
-        logged = dict(sums)
-        logged["actor/grad_norm"] = sum(grad_norms) / len(grad_norms)
-        logged["actor/lr"] = optimizer.param_groups[0]["lr"]
-        return logged
+        sums["actor/grad_norm"] = sum(grad_norms) / len(grad_norms)
+        sums["actor/lr"] = optimizer.param_groups[0]["lr"]
+        return sums
 
     def _log_step(self, batch: RolloutBatch, metrics: dict[str, float], timings: dict[str, float]) -> None:
         """The step's actor metrics, the batch's rollout metrics and the phase timings; success and KL on the bar."""

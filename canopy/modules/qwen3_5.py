@@ -36,6 +36,14 @@ from canopy.config import ConfigError
 from canopy.modules.gated_delta import causal_conv1d, chunk_gated_delta_rule
 
 TEXT_PREFIX = "model.language_model."  # where the adapter expects the language model's tensors
+CARRIED_THROUGH = ("model.visual.", "mtp.")  # checkpoint tensors the policy does not train: exported unchanged
+
+
+def layer_group(name: str) -> str | None:
+    """`layers.<i>.` for a decoder layer's tensor (under any prefix), else None: the adapter converts a layer's
+    tensors together (it fuses q / k / v and their convolutions)."""
+    match = re.search(r"layers\.\d+\.", name)
+    return match.group(0) if match else None
 
 
 def text_config(hf: dict) -> dict:
@@ -189,7 +197,7 @@ class Qwen35Checkpoint:
 
     def to_adapter_names(self, hf_name: str) -> str | None:
         """The adapter's name for a checkpoint tensor the policy trains, or None for one it carries through."""
-        if hf_name.startswith(("model.visual.", "mtp.")):
+        if hf_name.startswith(CARRIED_THROUGH):
             return None
         return hf_name if self.multimodal or not hf_name.startswith("model.") else TEXT_PREFIX + hf_name[6:]
 
@@ -206,22 +214,22 @@ class Qwen35Checkpoint:
         from safetensors import safe_open
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-        groups: dict[str, dict[str, tuple[Path, str]]] = {}
+        groups: dict[str | None, dict[str, tuple[Path, str]]] = {}
         for file in sorted(Path(path).glob("*.safetensors")):
             with safe_open(file, "pt") as f:
                 for hf_name in f.keys():
                     name = self.to_adapter_names(hf_name)
                     if name is not None:
-                        match = re.search(r"layers\.\d+\.", name)
-                        groups.setdefault(match.group(0) if match else "rest", {})[name] = (file, hf_name)
-        rest = groups.pop("rest")
-        embedding = next(n for n in rest if n.endswith("embed_tokens.weight"))
+                        groups.setdefault(layer_group(name), {})[name] = (file, hf_name)
+        rest = groups.pop(None)
+        embedding_name = next(n for n in rest if n.endswith("embed_tokens.weight"))
+        embedding = _read(*rest[embedding_name])  # read once: every group needs it beside its own tensors
         expected, loaded = set(model.state_dict()), set()
         options = StateDictOptions(full_state_dict=True, strict=False)
         for group in [rest, *groups.values()]:
             # the adapter wants the embedding beside any group (it may copy it into a missing lm_head)
-            tensors = {name: _read(*where) for name, where in {**group, embedding: rest[embedding]}.items()}
-            converted = self.adapter.from_hf(tensors)
+            tensors = {name: _read(*where) for name, where in group.items() if name != embedding_name}
+            converted = self.adapter.from_hf({**tensors, embedding_name: embedding})
             if group is not rest:
                 converted = {k: v for k, v in converted.items() if k.startswith("layers.")}
             set_model_state_dict(model, converted, options=options)
@@ -235,12 +243,11 @@ class Qwen35Checkpoint:
         their convolutions), then the tensors carried through from the base checkpoint."""
         groups: dict[str, dict[str, torch.Tensor]] = {}
         for name, value in model.state_dict().items():
-            match = re.match(r"layers\.\d+\.", name)
-            groups.setdefault(match.group(0) if match else name, {})[name] = value
+            groups.setdefault(layer_group(name) or name, {})[name] = value
         for group in groups.values():
             gathered = {name: unwrap(value.detach()) for name, value in group.items()}
             for name, tensor in self.adapter.to_hf(gathered).items():
-                if not name.startswith("model.visual."):
+                if not name.startswith(CARRIED_THROUGH):
                     yield self.from_adapter_names(name), tensor
         yield from carried_through(self.path)
 
@@ -259,7 +266,7 @@ def carried_through(path: Path):
     for file in sorted(Path(path).glob("*.safetensors")):
         with safe_open(file, "pt") as f:
             for name in f.keys():
-                if name.startswith(("model.visual.", "mtp.")):
+                if name.startswith(CARRIED_THROUGH):
                     yield name, f.get_tensor(name)
 
 
