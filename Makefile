@@ -9,13 +9,28 @@ STAMP := $(VENV)/.canopy-installed
 APPWORLD_VENV ?= .venv-appworld
 APPWORLD_STAMP := $(APPWORLD_VENV)/.canopy-installed
 
-.PHONY: train test lint bench clean appworld
+.PHONY: train test lint bench clean appworld swe-system
+
+# swebench and mini-swe-agent without their dependencies: Canopy imports only swebench's grading modules (docker,
+# datasets and modal stay out) and reads mini-swe-agent's templates from its package data (litellm stays out).
+SWE_PACKAGES := swebench==5.0.2 unidiff==0.7.5 mini-swe-agent==1.17.5
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(SYSTEM_PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q --no-deps $(SWE_PACKAGES)
 	touch $(STAMP)
+
+# SWE-bench sandboxes (bubblewrap) and the generated tasks' tools (git, patch, python3-pytest on the host's /usr).
+SWE_SYSTEM := bubblewrap git patch python3-pytest
+swe-system:
+	@missing=$$(for p in $(SWE_SYSTEM); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
+	if [ -n "$$missing" ]; then \
+	  if [ "$$(id -u)" = 0 ]; then DEBIAN_FRONTEND=noninteractive apt-get install -y -q $$missing >/dev/null || \
+	    { apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q $$missing >/dev/null; }; \
+	  else echo "install the SWE-bench sandbox packages: sudo apt-get install $$missing"; exit 1; fi; \
+	fi
 
 train: $(STAMP)
 	$(PY) train.py $(ARGS)
@@ -35,7 +50,7 @@ lint: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 
-test: lint $(APPWORLD_STAMP)
+test: lint $(APPWORLD_STAMP) swe-system
 	$(PY) -m pytest -q -ra $(PYTEST_ARGS)
 
 bench: $(STAMP)

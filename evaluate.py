@@ -58,7 +58,7 @@ def run(cfg: DictConfig, env, engine, tokenizer, tasks, out_dir: Path) -> None:
     """The pilot (per-tier base success and Eq. 5's group size) or the evaluation (Table 3 rows, Fig. 5)."""
     budget, sampling = build_budget(cfg), build_sampling(cfg)
     if cfg.pilot:
-        runs, _ = sample_runs(
+        runs = sample_runs(
             engine,
             env,
             tokenizer,
@@ -69,7 +69,7 @@ def run(cfg: DictConfig, env, engine, tokenizer, tasks, out_dir: Path) -> None:
             cfg.seed,
             "pilot",
             cfg.env.max_quarantine_fraction,
-        )
+        ).runs
         rates = {}
         for tier in sorted({t.tier for t in tasks}):
             outcomes = [o for t in tasks if t.tier == tier for o in runs.get(t.task_id, [])]
@@ -84,7 +84,7 @@ def run(cfg: DictConfig, env, engine, tokenizer, tasks, out_dir: Path) -> None:
         )
         return
     policy = cfg.policy or (Path(cfg.checkpoint).name if cfg.checkpoint else "base")
-    runs, quarantined = sample_runs(
+    sampled = sample_runs(
         engine,
         env,
         tokenizer,
@@ -98,8 +98,7 @@ def run(cfg: DictConfig, env, engine, tokenizer, tasks, out_dir: Path) -> None:
     )
     result = evaluation(
         tasks,
-        runs,
-        quarantined,
+        sampled,
         policy=policy,
         checkpoint=cfg.checkpoint,
         budget=budget_label(cfg.budget),

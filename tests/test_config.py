@@ -123,7 +123,9 @@ def test_missing_model_path_names_the_fix():
 
 
 def test_unbuilt_components_say_so():
-    with pytest.raises(ConfigError, match="env.name='swebench' has no environment in this build yet"):
+    with pytest.raises(ConfigError, match="env.name='webarena' has no environment in this build yet"):
+        build_env(config("env.name=webarena"))
+    with pytest.raises(ConfigError, match="select SWE-bench with env=swebench"):
         build_env(config("env.name=swebench"))
 
 
@@ -177,7 +179,7 @@ def test_quarantine_threshold_is_validated():
 def test_environments_and_engines_are_config_groups_over_one_registry():
     from canopy.envs import available, environment_factory
 
-    assert available() == ["appworld", "embedded", "python_tasks"]  # the modules of canopy/envs/ defining ENVIRONMENT
+    assert available() == ["appworld", "embedded", "python_tasks", "swebench"]  # the modules of canopy/envs/ defining ENVIRONMENT
     assert environment_factory("python_tasks") == "canopy.envs.python_tasks:PythonTaskEnvironment"
     appworld = config("env=appworld", "engine=sglang")
     assert (appworld.env.name, appworld.env.pool.workers, appworld.engine.name) == ("appworld", 64, "sglang")

@@ -96,7 +96,7 @@ class BudgetTransferEval(L.Callback):
 
     def _run(self, engine, dm, tasks, role: str, cfg: DictConfig, step: int) -> dict:
         with engine.evaluation_seed(cfg.seed):  # the same sampling noise at every evaluation
-            runs, quarantined = sample_runs(
+            sampled = sample_runs(
                 engine,
                 dm.env,
                 dm.tokenizer,
@@ -110,8 +110,7 @@ class BudgetTransferEval(L.Callback):
             )
         return evaluation(
             tasks,
-            runs,
-            quarantined,
+            sampled,
             policy=f"step {step}",
             budget=budget_label(cfg.budget),
             role=role,

@@ -196,6 +196,8 @@ def rollout_metrics(trajectories: list[Trajectory], reward_kind: str) -> dict[st
     metrics["rollout/truncated_frac"] = sum(t.truncated for t in scored) / len(scored)
     for ending, count in Counter(t.ending for t in scored).items():
         metrics[f"ending/{ending}"] = count / len(scored)
+    for outcome, count in Counter(t.verdict.outcome for t in scored if t.verdict and t.verdict.outcome).items():
+        metrics[f"outcome/{outcome}"] = count  # named endings of an environment (SWE-bench: resolved, no_submission...)
     return metrics
 
 

@@ -21,22 +21,28 @@ class Task:
 
 @dataclass(frozen=True)
 class Verdict:
-    """Result of the task's unit tests U(q): `passed` of `total` tests passed."""
+    """Result of the task's unit tests U(q): `passed` of `total` tests passed. `outcome` names how the episode
+    ended where an environment distinguishes (SWE-bench: resolved, unresolved, no_submission, ...); `fixed_reward`
+    overrides both reward kinds for endings that leave nothing to test (Table A3's -0.2)."""
 
     passed: int
     total: int
+    outcome: str = ""
+    fixed_reward: float | None = None
 
     @property
     def success(self) -> bool:
         return self.total > 0 and self.passed == self.total
 
     def reward(self, kind: str) -> float:
-        """Sparse (Eq. 2) or dense pass-fraction (Eq. 1) reward."""
+        """Sparse (Eq. 2) or dense pass-fraction (Eq. 1) reward, unless the ending fixes it."""
+        if kind not in ("sparse", "dense"):
+            raise ValueError(f"unknown reward {kind!r}: use 'sparse' or 'dense'")
+        if self.fixed_reward is not None:
+            return self.fixed_reward
         if kind == "sparse":
             return float(self.success)
-        if kind == "dense":
-            return self.passed / self.total if self.total else 0.0
-        raise ValueError(f"unknown reward {kind!r}: use 'sparse' or 'dense'")
+        return self.passed / self.total if self.total else 0.0
 
 
 @dataclass(frozen=True)

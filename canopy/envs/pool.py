@@ -10,7 +10,8 @@ is quarantined (`worker_start_failed`) if that fails too, so the pool never shri
 Each worker has a home of its own under the pool's scratch folder (`private_home`): nothing an environment's
 libraries create on first use lands in the user's home. Its stderr goes to `<scratch>/logs/worker<slot>.log`;
 the log of a worker that faulted is kept in `log_dir` (default `<tmp>/canopy-fault-logs`, the run's
-`env_logs/` in training) and named in the fault.
+`env_logs/` in training) and named in the fault. Sandboxes a worker starts through `canopy.envs.runtimes` carry
+its slot's tag: stopping the worker (also after kill -9) removes their cgroups and containers.
 
 Fault attribution: the agent's own endings come back from the worker as `AgentFailure` (scored 0). What the
 layer attributes to itself raises `EnvironmentFault` and quarantines the episode:
@@ -35,7 +36,7 @@ import subprocess
 import sys
 import tempfile
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from canopy.envs.base import (
@@ -48,8 +49,11 @@ from canopy.envs.base import (
     keep_fault_log,
     last_line,
 )
+from canopy.envs.runtimes import SLOT_TAG, release_slot
 from canopy.envs.sandbox import SandboxLimits, claim_uid, kill_uid, private_home
 from canopy.envs.worker import read_frame, write_frame
+
+OPERATIONS = ("start", "step", "verdict", "close")
 
 
 @dataclass(frozen=True)
@@ -60,6 +64,12 @@ class PoolSettings:
     health_timeout_s: float = 10.0
     start_timeout_s: float = 120.0
     max_episodes_per_worker: int = 100
+    operation_timeouts_s: dict = field(default_factory=dict)  # start | step | verdict | close -> s, else request's
+
+    def timeout(self, op: str) -> float:
+        """How long a request `op` may take before its worker is unresponsive (a SWE-bench step takes seconds,
+        its grading minutes)."""
+        return self.operation_timeouts_s.get(op, self.request_timeout_s)
 
     def validate(self, sandbox: SandboxLimits) -> None:
         """`env.pool.*` (and the sandbox's limits, which must fit inside a worker's): one line naming the fix on the
@@ -72,6 +82,11 @@ class PoolSettings:
         )
         for key in ("request_timeout_s", "health_timeout_s", "start_timeout_s", "memory_mb", "max_episodes_per_worker"):
             require(getattr(self, key) > 0, f"env.pool.{key}={getattr(self, key)} must be > 0")
+        for op, timeout in self.operation_timeouts_s.items():
+            require(
+                op in OPERATIONS and timeout > 0,
+                f"env.pool.operation_timeouts_s.{op}={timeout}: use {', '.join(OPERATIONS)} with seconds > 0",
+            )
         sandbox.validate()
         require(
             self.request_timeout_s > sandbox.wall_seconds + 5,
@@ -100,6 +115,7 @@ class Worker:
     ):
         self.slot, self.settings, self.episodes_served, self.uid, self.log_dir = slot, settings, 0, uid, log_dir
         scratch = scratch_root / f"w{slot}"
+        self.tag = f"{scratch_root.name}-w{slot}"  # names the cgroups and containers of this slot's sandboxes
         self.log = scratch_root / "logs" / f"worker{slot}.log"
         self.log.parent.mkdir(parents=True, exist_ok=True)
         env = {
@@ -108,6 +124,7 @@ class Worker:
             "CANOPY_SANDBOX_UID": str(self.uid or ""),
             "CANOPY_SCRATCH_ROOT": str(scratch),
             "CANOPY_FAULT_LOG_DIR": str(log_dir),
+            SLOT_TAG: self.tag,
         }
         with open(self.log, "ab") as log:
             self.process = subprocess.Popen(
@@ -177,6 +194,7 @@ class Worker:
             stream.close()
         if self.uid is not None:
             kill_uid(self.uid)
+        release_slot(self.tag)
 
 
 class EnvironmentPool:
@@ -288,7 +306,7 @@ class EnvironmentPool:
         episode_id = f"{task.task_id}#{next(self._episode_ids)}"
         worker.episodes_served += 1
         try:
-            messages = worker.request("start", episode_id, (task, seed), self.settings.request_timeout_s)
+            messages = worker.request("start", episode_id, (task, seed), self.settings.timeout("start"))
         except BaseException:
             self.release(worker)
             raise
@@ -317,7 +335,7 @@ class PooledEpisode:
     def _request(self, op: str, *args):
         if self.worker is None:
             raise RuntimeError(f"episode {self.episode_id} is closed")
-        return self.worker.request(op, self.episode_id, args, self.pool.settings.request_timeout_s)
+        return self.worker.request(op, self.episode_id, args, self.pool.settings.timeout(op))
 
     def messages(self) -> list[dict]:
         return self._messages
@@ -334,7 +352,7 @@ class PooledEpisode:
         worker, self.worker = self.worker, None
         if not worker.broken:
             try:
-                worker.request("close", self.episode_id, (), self.pool.settings.request_timeout_s)
+                worker.request("close", self.episode_id, (), self.pool.settings.timeout("close"))
             except (EnvironmentFault, AgentFailure):
                 worker.broken = True
         self.pool.release(worker)

@@ -60,3 +60,15 @@ def summarize(tasks: list[Task], runs: dict[str, list[float]]) -> dict[str, dict
             row.update(sgc_mean=sgc_mean_at_k(sub_runs, scenario), sgc_best=sgc_best_at_k(sub_runs, scenario))
         result[name] = row
     return result
+
+
+def by_scenario(tasks: list[Task], runs: dict[str, list[float]]) -> dict[str, dict[str, float]]:
+    """{scenario: {tasks, tgc_mean, tgc_best}} over the tasks with a scored run (SWE-bench: resolve rate per repo)."""
+    grouped: dict[str, dict[str, list[float]]] = defaultdict(dict)
+    for t in tasks:
+        if runs.get(t.task_id):
+            grouped[t.scenario][t.task_id] = runs[t.task_id]
+    return {
+        scenario: {"tasks": len(sub), "tgc_mean": mean_at_k(sub), "tgc_best": best_at_k(sub)}
+        for scenario, sub in sorted(grouped.items())
+    }

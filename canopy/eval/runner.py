@@ -2,7 +2,8 @@
 and the budget-transfer callback."""
 
 import json
-from collections import defaultdict
+from collections import Counter, defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -10,7 +11,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from canopy.config import ConfigError
 from canopy.envs.base import Task
-from canopy.eval.metrics import summarize
+from canopy.eval.metrics import by_scenario, summarize
 from canopy.modules.policy import iter_hf_weights, load_policy
 from canopy.rollout.agent_loop import run_episodes
 from canopy.rollout.faults import check_systemic_faults
@@ -21,6 +22,16 @@ def with_budget(cfg: DictConfig, budget_cfg: DictConfig) -> DictConfig:
     out = OmegaConf.merge(cfg)
     out.budget, out.sampling = budget_cfg.budget, budget_cfg.sampling
     return out
+
+
+@dataclass
+class Sampled:
+    """k evaluation runs per task: {task id: k sparse outcomes}, the quarantined count, and the count of each named
+    outcome (`Verdict.outcome`, e.g. SWE-bench's resolved / unresolved / image_unavailable)."""
+
+    runs: dict[str, list[float]]
+    quarantined: int
+    outcomes: Counter
 
 
 def sample_runs(
@@ -34,28 +45,31 @@ def sample_runs(
     seed: int = 0,
     description: str = "evaluating",
     max_quarantine_fraction: float = 0.5,
-) -> tuple[dict[str, list[float]], int]:
-    """k episodes per task at the engine's current weights: ({task id: k sparse outcomes}, quarantined count).
-    Quarantined episodes carry no outcome (Appendix G); a task keeps its other runs. A systematic serving
-    fault stops the evaluation (`check_systemic_faults`) rather than reporting a score over the survivors."""
+) -> Sampled:
+    """k episodes per task at the engine's current weights. Quarantined episodes carry no outcome (Appendix G); a
+    task keeps its other runs. A systematic serving fault stops the evaluation (`check_systemic_faults`) rather
+    than reporting a score over the survivors."""
     jobs = [(task, i) for task in tasks for i in range(k)]
     trajectories, _ = run_episodes(engine, env, tokenizer, jobs, budget, sampling, seed=seed, description=description)
     check_systemic_faults(
         trajectories, max_quarantine_fraction, getattr(env, "max_concurrent_episodes", None), description
     )
     runs: dict[str, list[float]] = defaultdict(list)
-    quarantined = 0
     for t in trajectories:
-        if t.quarantine is not None:
-            quarantined += 1
-        else:
+        if t.quarantine is None:
             runs[t.task.task_id].append(float(t.verdict is not None and t.verdict.success))
-    return dict(runs), quarantined
+    outcomes = Counter(t.verdict.outcome for t in trajectories if t.verdict is not None and t.verdict.outcome)
+    return Sampled(dict(runs), sum(t.quarantine is not None for t in trajectories), outcomes)
 
 
-def evaluation(tasks: list[Task], runs: dict[str, list[float]], quarantined: int, **meta) -> dict:
-    """The JSON record of one evaluation: metadata plus per-tier metrics (see `metrics.summarize`)."""
-    return {**meta, "quarantined": quarantined, "metrics": summarize(tasks, runs)}
+def evaluation(tasks: list[Task], sampled: Sampled, **meta) -> dict:
+    """The JSON record of one evaluation: metadata, per-tier metrics (see `metrics.summarize`), mean@k / best@k
+    per scenario (SWE-bench: per repository) and the named outcomes' counts."""
+    record = {**meta, "quarantined": sampled.quarantined, "metrics": summarize(tasks, sampled.runs)}
+    record["by_scenario"] = by_scenario(tasks, sampled.runs)
+    if sampled.outcomes:
+        record["outcomes"] = dict(sampled.outcomes.most_common())
+    return record
 
 
 def checkpoint_weights(checkpoint: str | Path, base_path: str):
@@ -96,12 +110,23 @@ def format_table3(results: list[dict]) -> str:
     return "\n".join(rows)
 
 
+def format_scenarios(result: dict) -> str:
+    """Markdown of one evaluation's mean@k / best@k per scenario (SWE-bench: per repository), and its outcomes."""
+    k = result["k"]
+    rows = [f"| {result['policy']}: scenario | tasks | m@{k} | b@{k} |", "|---|---|---|---|"]
+    for scenario, row in result.get("by_scenario", {}).items():
+        rows.append(f"| {scenario} | {row['tasks']} | {100 * row['tgc_mean']:.1f} | {100 * row['tgc_best']:.1f} |")
+    if result.get("outcomes"):
+        rows.append("\noutcomes: " + ", ".join(f"{name} {count}" for name, count in result["outcomes"].items()))
+    return "\n".join(rows)
+
+
 def write_results(out_dir: Path, name: str, results: list[dict]) -> tuple[Path, Path]:
-    """`<name>.json` (the records) and `<name>.md` (the Table 3 view)."""
+    """`<name>.json` (the records) and `<name>.md` (the Table 3 view, then each result's per-scenario view)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     json_path, md_path = out_dir / f"{name}.json", out_dir / f"{name}.md"
     json_path.write_text(json.dumps(results, indent=2))
-    md_path.write_text(format_table3(results) + "\n")
+    md_path.write_text("\n\n".join([format_table3(results)] + [format_scenarios(r) for r in results]) + "\n")
     return json_path, md_path
 
 

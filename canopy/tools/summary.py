@@ -10,7 +10,7 @@ from canopy.eval.runner import sample_runs
 def success_by_tier(datamodule, samples_per_task: int, description: str) -> dict[str, float]:
     """Mean sparse success (mean@k TGC) of the engine's current weights over every pool task, by tier."""
     dm = datamodule
-    runs, _ = sample_runs(
+    runs = sample_runs(
         dm.engine,
         dm.env,
         dm.tokenizer,
@@ -21,7 +21,7 @@ def success_by_tier(datamodule, samples_per_task: int, description: str) -> dict
         seed=-len(dm.tasks) * samples_per_task,
         description=description,
         max_quarantine_fraction=dm.max_quarantine_fraction,
-    )
+    ).runs
     return {tier: row["tgc_mean"] for tier, row in summarize(dm.tasks, runs).items()}
 
 

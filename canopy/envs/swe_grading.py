@@ -1,0 +1,168 @@
+"""Grading a submitted patch the way swebench 5.x does (Appendix H), in a fresh sandbox of the task's image.
+
+swebench's own code decides: its apply chain (`GIT_APPLY_CMDS`, read from the installed package's source), its
+log markers and `get_logs_eval`, its log parsers (`PARSER_REGISTRY`), `get_eval_tests_report` and
+`get_resolution_status`, and `infra_failure.classify_text` for infrastructure-failure signatures. Importing
+`swebench.harness` pulls docker, datasets and modal; `swebench()` imports only the grading modules, behind an
+empty `swebench.harness` package, and fails loudly if the pinned version changes shape.
+
+Outcomes (Table A3): `resolved` 1; `unresolved` (tests fail, error or hang) 0; `empty_patch` and
+`patch_apply_failed` -> the no-patch reward. A grading sandbox that fails, or a log with one of swebench's
+environment-tier infrastructure signatures, is the serving layer's fault (`EnvironmentFault`, quarantined).
+"""
+
+import ast
+import functools
+import importlib
+import importlib.util
+import sys
+import tempfile
+import types
+from dataclasses import dataclass
+from pathlib import Path
+
+from canopy.envs.base import EnvironmentFault
+from canopy.envs.runtimes import SandboxError
+
+SWEBENCH_VERSION = "5.0.2"
+PATCH_PATH = "/tmp/canopy-submission.patch"
+EVAL_PATH = "/tmp/canopy-eval.sh"
+RESET = "git checkout -- . ; git clean -fd"  # between apply attempts, as swebench's harness resets
+
+
+@functools.cache
+def swebench() -> types.SimpleNamespace:
+    """swebench's grading modules, imported without `swebench.harness.__init__` (see the module docstring)."""
+    spec = importlib.util.find_spec("swebench")
+    if spec is None:
+        raise ImportError(f"swebench is not installed: pip install --no-deps swebench=={SWEBENCH_VERSION} unidiff")
+    import swebench as package
+
+    if package.__version__ != SWEBENCH_VERSION:
+        raise ImportError(f"swebench {package.__version__} is installed; Canopy grades with {SWEBENCH_VERSION}")
+    harness_dir = Path(spec.submodule_search_locations[0]) / "harness"
+    if "swebench.harness" not in sys.modules:
+        harness = types.ModuleType("swebench.harness")
+        harness.__path__ = [str(harness_dir)]
+        sys.modules["swebench.harness"] = harness
+    modules = {
+        name: importlib.import_module(f"swebench.{name}")
+        for name in ("types", "harness.constants", "harness.grading", "harness.log_parsers", "harness.infra_failure")
+    }
+    return types.SimpleNamespace(
+        TestSpec=modules["types"].TestSpec,
+        constants=modules["harness.constants"],
+        grading=modules["harness.grading"],
+        parsers=modules["harness.log_parsers"].PARSER_REGISTRY,
+        infra=modules["harness.infra_failure"],
+        apply_commands=source_constant(harness_dir / "run_evaluation.py", "GIT_APPLY_CMDS"),
+    )
+
+
+def source_constant(path: Path, name: str):
+    """A literal assigned at the top of a Python source file, read without importing it."""
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == name for t in node.targets):
+            return ast.literal_eval(node.value)
+    raise ImportError(f"{name} is no longer defined in {path}: the pinned package changed shape")
+
+
+@dataclass(frozen=True)
+class Grade:
+    """`outcome` is resolved | unresolved | empty_patch | patch_apply_failed; `passed`/`total` count the
+    instance's FAIL_TO_PASS and PASS_TO_PASS tests that passed (0 of them when the tests never ran)."""
+
+    outcome: str
+    passed: int
+    total: int
+    detail: str = ""
+
+
+def test_spec(instance: dict):
+    sb = swebench()
+    script = instance["eval_script"]
+    lines = [line for line in script.strip().split("\n") if line not in ("#!/bin/bash", "set -uxo pipefail")]
+    return sb.TestSpec(
+        instance_id=instance["instance_id"],
+        image=instance["image"],
+        eval_script_list=lines,
+        repo=instance["repo"],
+        version=str(instance.get("version", "")),
+        FAIL_TO_PASS=list(instance["FAIL_TO_PASS"]),
+        PASS_TO_PASS=list(instance["PASS_TO_PASS"]),
+        log_parser=instance["log_parser"],
+        eval_type=instance.get("eval_type", "pass_and_fail"),
+    )
+
+
+def apply_patch(sandbox, patch: str, timeout: float) -> tuple[bool, str]:
+    """swebench's apply chain in `sandbox`'s work tree; (applied, the last attempt's output)."""
+    sandbox.run(f"cat > {PATCH_PATH}", timeout, stdin=patch.encode())
+    output = ""
+    for attempt, command in enumerate(swebench().apply_commands):
+        if attempt:
+            sandbox.run(RESET, timeout)
+        result = sandbox.run(f"{command} {PATCH_PATH}", timeout)
+        output = result.output
+        if result.returncode == 0 and not result.timed_out:
+            return True, output
+    reverse = sandbox.run(f"git apply --check --reverse {PATCH_PATH}", timeout)  # already applied, all exits non-zero
+    return reverse.returncode == 0, output
+
+
+def run_tests(sandbox, instance: dict, timeout: float) -> tuple[str, bool]:
+    """The instance's eval script in `sandbox`; (its log, whether it ran past `timeout`)."""
+    sandbox.run(f"cat > {EVAL_PATH}", 60, stdin=instance["eval_script"].encode())
+    result = sandbox.run(f"/bin/bash {EVAL_PATH}", timeout)
+    return result.output, result.timed_out
+
+
+def score_log(instance: dict, log: str) -> tuple[int, int, bool]:
+    """(passed, total, resolved) from an eval log, by swebench's parser, log checks and report."""
+    sb = swebench()
+    spec = test_spec(instance)
+    with tempfile.NamedTemporaryFile("w", suffix=".log") as file:
+        file.write(log)
+        file.flush()
+        status_map, found = sb.grading.get_logs_eval(spec, file.name)
+    tests = {sb.constants.FAIL_TO_PASS: spec.FAIL_TO_PASS, sb.constants.PASS_TO_PASS: spec.PASS_TO_PASS}
+    total = len(spec.FAIL_TO_PASS) + len(spec.PASS_TO_PASS)
+    if not found:
+        return 0, total, False
+    report = sb.grading.get_eval_tests_report(status_map, tests, eval_type=sb.constants.EvalType(spec.eval_type))
+    passed = sum(len(report[key]["success"]) for key in tests)
+    return passed, total, sb.grading.get_resolution_status(report) == sb.constants.ResolvedStatus.FULL.value
+
+
+def infra_failure(log: str) -> str | None:
+    """swebench's environment-tier infrastructure signature in `log` (daemon, OOM, DNS...), else None."""
+    sb = swebench()
+    found = sb.infra.classify_text(log)
+    return found[0] if found and found[1] == sb.infra.TIER_ENVIRONMENT else None
+
+
+def grade(runtime, instance: dict, patch: str, timeout: float, command_timeout: float = 120) -> Grade:
+    """Grade `patch` for `instance` in a fresh sandbox of its image (the agent's side effects cannot leak in)."""
+    if not patch.strip():
+        return Grade("empty_patch", 0, len(instance["FAIL_TO_PASS"]) + len(instance["PASS_TO_PASS"]))
+    try:
+        sandbox = runtime.start(instance["image"])
+    except SandboxError as error:
+        raise EnvironmentFault("grading_sandbox_failed", str(error)) from None
+    try:
+        applied, output = apply_patch(sandbox, patch, command_timeout)
+        if not applied:
+            total = len(instance["FAIL_TO_PASS"]) + len(instance["PASS_TO_PASS"])
+            return Grade("patch_apply_failed", 0, total, output.strip()[-300:])
+        log, timed_out = run_tests(sandbox, instance, timeout)
+    except SandboxError as error:
+        raise EnvironmentFault("grading_sandbox_failed", str(error)) from None
+    finally:
+        sandbox.close()
+    signature = infra_failure(log)
+    if signature is not None:
+        raise EnvironmentFault("grading_infra_failure", f"{instance['instance_id']}: swebench signature {signature}")
+    passed, total, resolved = score_log(instance, log)
+    if timed_out:
+        return Grade("unresolved", passed, total, f"tests ran past {timeout:.0f} s")
+    return Grade("resolved" if resolved else "unresolved", passed, total)
