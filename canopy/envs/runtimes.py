@@ -372,11 +372,11 @@ class BwrapSandbox:
             with os.fdopen(status_read) as status:
                 reports = [json.loads(line) for line in status.read().splitlines() if line.strip()]
             text = _read_output(output, self.settings.max_output_bytes)
-        started = any("child-pid" in report for report in reports)
-        if not started and not timed_out:
+        # bwrap reports the command's exit code when the command ran; without one, the sandbox never set up
+        exit_code = next((report["exit-code"] for report in reports if "exit-code" in report), None)
+        if exit_code is None and not timed_out:
             raise SandboxError(f"the sandbox did not start: {text.strip()[-300:] or f'exit {process.returncode}'}")
-        exit_code = next((r["exit-code"] for r in reports if "exit-code" in r), process.returncode)
-        return CommandResult(text, exit_code if exit_code is not None else -9, timed_out)
+        return CommandResult(text, -signal.SIGKILL if exit_code is None else exit_code, timed_out)
 
     def _kill(self, process: subprocess.Popen) -> None:
         try:

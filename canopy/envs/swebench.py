@@ -266,7 +266,7 @@ def environment_kwargs(env) -> dict:
     from canopy.envs.runtimes import RuntimeUnavailable, check_runtime
 
     if "swebench" not in env:
-        raise ConfigError("env.swebench is missing: select SWE-bench with env=swebench (its config group), not env.name")
+        raise ConfigError("env.swebench is missing: select SWE-bench with env=swebench (a config group), not env.name")
     settings = SWEBenchSettings(**OmegaConf.to_container(env.swebench, resolve=True))
     pool = PoolSettings(**env.pool)
     if pool.workers == 0:

@@ -266,6 +266,9 @@ def cache_images(instances: list[dict], image_root: Path, tool: str, progress=pr
         if tool == "skopeo" and (image_root / safe_image_name(image) / "rootfs").is_dir():
             continue
         for command in cache_command(image, image_root, tool):
+            if shutil.which(command[0]) is None:
+                failed[image] = f"{command[0]} is not installed (apt-get install {command[0]})"
+                break
             done = subprocess.run(command, capture_output=True, text=True)
             if done.returncode != 0:
                 failed[image] = f"{command[0]}: {(done.stderr.strip().splitlines() or ['?'])[-1]}"

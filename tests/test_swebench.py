@@ -1,0 +1,447 @@
+"""SWE-bench (Appendix H, Table A3) on generated tasks, through the real pool, agent loop, bubblewrap sandboxes and
+swebench's grading: every reward, every non-terminal observation, every quarantine reason, and nothing left behind
+when a worker dies."""
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from canopy.config import ConfigError
+from canopy.envs.base import EnvironmentFault, Task
+from canopy.envs.pool import EnvironmentPool, PoolSettings
+from canopy.envs.runtimes import RuntimeSettings, SandboxError, build_runtime, safe_image_name
+from canopy.envs.swe_grading import grade
+from canopy.envs.swebench import SWEBenchEnvironment, harness, instance_task
+from canopy.rollout.agent_loop import Budget, run_episodes
+from canopy.rollout.engine import Generation, SamplingParams
+from canopy.tools import swe_data
+from canopy.tools.tiny_model import build_byte_tokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="needs bubblewrap (make swe-system)")
+SUBMIT = "```bash\necho COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT && git add -A && git diff --cached\n```"
+BUDGET = Budget(
+    max_turns=6,
+    max_response_tokens=20000,
+    max_prompt_tokens=8192,
+    max_observation_tokens=4096,
+    max_context_tokens=60000,
+)
+
+
+CONNECT = "import socket; socket.create_connection(('1.1.1.1', 80), timeout=2)"
+
+
+def bash(command: str) -> str:
+    return f"THOUGHT: next.\n\n```bash\n{command}\n```"
+
+
+def resolve(instance: dict) -> str:
+    """A reply that applies the gold fix."""
+    return bash(f"git apply <<'EOF'\n{instance['patch']}EOF")
+
+
+def wrong_fix(instance: dict) -> str:
+    package = instance["repo"].split("/")[1]
+    return bash(f"echo '# touched' >> {package}/core.py && echo 'def broken(:' >> {package}/core.py")
+
+
+@pytest.fixture(scope="session")
+def generated(tmp_path_factory):
+    """Eight generated tasks (train) and their images, plus instances broken in each way a setup can be."""
+    out = tmp_path_factory.mktemp("swe")
+    paths = swe_data.generate(out, 8, seed=0)
+    instances = swe_data.read_jsonl(paths["train"])
+    first = instances[0]
+    broken = {
+        "image_missing": {**first, "instance_id": "broken__image-1", "image": "canopy/absent:latest"},
+        "wrong_base_commit": {**first, "instance_id": "broken__head-1", "base_commit": "0" * 40},
+        "grading_infra_failure": {
+            **first,
+            "instance_id": "broken__infra-1",
+            "eval_script": first["eval_script"].replace(
+                "cd /testbed\n", "cd /testbed\necho 'Cannot connect to the Docker daemon'\n"
+            ),
+        },
+        "sandbox_failed": {**first, "instance_id": "broken__rootfs-1", "image": "canopy/no-testbed:latest"},
+    }
+    (out / "images" / safe_image_name("canopy/no-testbed:latest") / "rootfs").mkdir(parents=True)
+    (out / "images" / safe_image_name("canopy/no-testbed:latest") / "canopy-image.json").write_text('{"base": "host"}')
+    swe_data.write_jsonl(out / "broken.jsonl", list(broken.values()))
+    return {"out": out, "instances": instances, "broken": broken}
+
+
+def settings(generated, **overrides) -> dict:
+    runtime = {"kind": "bwrap", "image_root": str(generated["out"] / "images"), "memory_mb": 256, "pids": 64}
+    return {
+        "data": {"train": str(generated["out"] / "train.jsonl"), "broken": str(generated["out"] / "broken.jsonl")},
+        "runtime": runtime,
+        "eval_timeout_s": 60,
+        "command_timeout_s": 3,
+        **overrides,
+    }
+
+
+class TaskScriptedEngine:
+    """Replies by task: the package named in the prompt (`toolkitN`, or the broken instance's tag) picks a script,
+    and the number of assistant turns so far picks its reply (the last repeats)."""
+
+    def __init__(self, tokenizer, scripts: dict[str, list[str]]):
+        self.tokenizer, self.scripts, self.weight_version, self.dtype = tokenizer, scripts, 0, "float32"
+        self.im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+
+    def generate(self, prompts, max_new_tokens, sampling):
+        out = []
+        for prompt, limit in zip(prompts, max_new_tokens):
+            text = self.tokenizer.decode(prompt)
+            key = re.search(r"\[script (\S+)\]", text).group(1)
+            turn = text.count("<|im_start|>assistant") - 1
+            script = self.scripts[key]
+            ids = self.tokenizer.encode(script[min(turn, len(script) - 1)], add_special_tokens=False) + [self.im_end]
+            out.append(Generation(ids[:limit], [-0.1] * min(len(ids), limit), "stop", 0))
+        return out
+
+
+def tagged(instance: dict, key: str) -> Task:
+    """The instance as a task whose problem statement names its script."""
+    task = instance_task({**instance, "split": "train"})
+    spec = {**task.spec, "problem_statement": f"{task.spec['problem_statement']} [script {key}]"}
+    return Task(f"{task.task_id}/{key}", task.tier, task.scenario, spec)
+
+
+def test_harness_is_mini_swe_agent_v1_read_from_its_package():
+    import importlib.util
+
+    package = Path(importlib.util.find_spec("minisweagent").submodule_search_locations[0])
+    config = yaml.safe_load((package / "config" / "extra" / "swebench.yaml").read_text())
+    h = harness()
+    assert h.agent["system_template"] == config["agent"]["system_template"]
+    assert h.command_timeout == 60 and h.env_vars["PAGER"] == "cat"
+    messages = h.messages("Fix the frobnicator.")
+    assert (
+        "Fix the frobnicator." in messages[1]["content"]
+        and "COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT" in messages[1]["content"]
+    )
+    assert h.actions("```bash\nls\n```") == ["ls"] and h.actions("no block") == []
+    assert "found 2 actions" in h.render("format_error_template", actions=["a", "b"])
+    long = h.render("action_observation_template", output={"output": "x" * 12000, "returncode": 0})
+    assert "2000 characters elided" in long and len(long) < 11000  # its own 10,000-character cut
+    assert "timed out and has been killed" in h.render("timeout_template", action={"action": "sleep 9"}, output="")
+
+
+def test_grading_follows_swebench(generated):
+    runtime = build_runtime(RuntimeSettings(kind="bwrap", image_root=str(generated["out"] / "images")))
+    instance = generated["instances"][1]
+    total = len(instance["FAIL_TO_PASS"]) + len(instance["PASS_TO_PASS"])
+    assert instance["FAIL_TO_PASS"] and instance["PASS_TO_PASS"]
+    resolved = grade(runtime, instance, instance["patch"], 60)
+    assert (resolved.outcome, resolved.passed, resolved.total) == ("resolved", total, total)
+    package = instance["repo"].split("/")[1]
+    breaking = instance["patch"].replace("+    return", "+    raise ValueError  #")
+    unresolved = grade(runtime, instance, breaking, 60)
+    assert unresolved.outcome == "unresolved" and unresolved.passed < total
+    assert grade(runtime, instance, "  \n", 60).outcome == "empty_patch"
+    header = f"diff --git a/{package}/core.py b/{package}/core.py\n--- a/{package}/core.py\n+++ b/{package}/core.py\n"
+    garbage = header + "@@ -1,2 +1,2 @@\n-nothing like this\n+at all\n"
+    assert grade(runtime, instance, garbage, 60).outcome == "patch_apply_failed"
+    hanging = {**instance, "eval_script": instance["eval_script"].replace("cd /testbed\n", "cd /testbed\nsleep 30\n")}
+    started = time.monotonic()
+    assert grade(runtime, hanging, instance["patch"], 2).outcome == "unresolved"  # a hung eval fails its tests
+    assert time.monotonic() - started < 20
+    with pytest.raises(EnvironmentFault, match="grading_infra_failure"):
+        infra = generated["broken"]["grading_infra_failure"]
+        grade(runtime, infra, infra["patch"], 60)
+
+
+def test_every_reward_observation_and_quarantine_through_the_pool(generated):
+    """Table A3's endings and rewards, the non-terminal observations, and each quarantine reason, through the real
+    pool and agent loop."""
+    instances, broken = generated["instances"], generated["broken"]
+    a, b = instances[0], instances[1]
+    scripts = {
+        "resolved": [bash("cat " + a["repo"].split("/")[1] + "/core.py | head -5"), resolve(a), SUBMIT],
+        "unresolved": [wrong_fix(a), SUBMIT],
+        "no_submission": [bash("ls")],
+        "empty_patch": [SUBMIT],
+        "patch_apply_failed": [bash("echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT && echo 'diff --git a/x b/x'")],
+        "format_error": ["I will just think.", "```bash\nls\n```\n```bash\npwd\n```", resolve(b), SUBMIT],
+        "command_timeout": [bash("sleep 20"), resolve(b), SUBMIT],
+        "oom_command": [bash("python3 -c 'x = bytearray(600 * 2**20); print(len(x))'"), resolve(b), SUBMIT],
+        "fork_bomb": [bash("for i in $(seq 200); do sleep 5 & done; echo forked"), resolve(b), SUBMIT],
+        "network": [bash(f"python3 -c \"{CONNECT}\""), resolve(b), SUBMIT],
+        "write_outside": [bash("echo x > /usr/canopy-escape; echo x > /etc/canopy-escape"), resolve(b), SUBMIT],
+    }  # fmt: skip
+    tasks = [
+        tagged(a if k in ("resolved", "unresolved", "no_submission", "empty_patch", "patch_apply_failed") else b, k)
+        for k in scripts
+    ]
+    for reason, instance in broken.items():
+        scripts[reason] = [resolve(a), SUBMIT]
+        tasks.append(tagged(instance, reason))
+    tokenizer = build_byte_tokenizer()
+    pool = EnvironmentPool(
+        "canopy.envs.swebench:SWEBenchEnvironment",
+        settings(generated),
+        PoolSettings(workers=2, memory_mb=4096, operation_timeouts_s={"step": 60, "verdict": 120}),
+    )
+    try:
+        trajectories, _ = run_episodes(
+            TaskScriptedEngine(tokenizer, scripts), pool, tokenizer, [(t, 0) for t in tasks], BUDGET, SamplingParams()
+        )
+    finally:
+        pool.close()
+    by_key = {t.task.task_id.split("/")[1]: t for t in trajectories}
+    for key in ("resolved", "unresolved", "no_submission", "empty_patch", "patch_apply_failed"):
+        t = by_key[key]
+        assert t.quarantine is None and t.verdict.outcome == key, (key, t.ending, t.verdict, t.quarantine)
+    assert by_key["resolved"].reward("sparse") == 1.0 and by_key["unresolved"].reward("sparse") == 0.0
+    for key in ("no_submission", "empty_patch", "patch_apply_failed"):
+        assert by_key[key].reward("sparse") == by_key[key].reward("dense") == -0.2
+    assert by_key["no_submission"].ending == "turn_limit"
+    observed = {
+        "format_error": ["found 0 actions", "found 2 actions"],
+        "command_timeout": ["timed out and has been killed"],
+        "oom_command": ["<returncode>137</returncode>"],
+        "fork_bomb": ["Resource temporarily unavailable"],
+        "network": ["Network is unreachable"],
+        "write_outside": ["/usr/canopy-escape: Read-only file system", "/etc/canopy-escape: Read-only file system"],
+    }
+    for key, texts in observed.items():
+        t = by_key[key]
+        assert t.verdict is not None and t.verdict.outcome == "resolved", (key, t.ending, t.verdict, t.quarantine)
+        observations = tokenizer.decode([i for i, m in zip(t.token_ids, t.action_mask) if m == 0][t.prompt_length :])
+        for text in texts:
+            assert text in observations, (key, text, observations[-1500:])
+    for reason in broken:
+        assert by_key[reason].quarantine == reason, (reason, by_key[reason].fault)
+    assert not Path("/usr/canopy-escape").exists() and not Path("/etc/canopy-escape").exists()
+
+
+def test_rollout_timeout_and_a_failed_grading_sandbox(generated):
+    env = SWEBenchEnvironment(**settings(generated, rollout_timeout_s=1.0))
+    instance = {**generated["instances"][0], "split": "train"}
+    episode = env.start(instance_task(instance), 0)
+    try:
+        assert not episode.step(bash("sleep 1.5")).done
+        assert episode.step(resolve(instance)).done  # past the rollout timeout: the episode ends here
+        verdict = episode.verdict()
+        assert verdict.outcome == "rollout_timeout" and verdict.reward("sparse") == -0.2
+    finally:
+        episode.close()
+    env = SWEBenchEnvironment(**settings(generated))
+    episode = env.start(instance_task(instance), 0)
+    episode.step(resolve(instance))
+    assert episode.step(SUBMIT).done
+
+    def refuse(image):
+        raise SandboxError("the runtime lost its image store")
+
+    env.runtime.start = refuse  # the grading sandbox cannot start
+    with pytest.raises(EnvironmentFault, match="grading_sandbox_failed"):
+        episode.verdict()
+    episode.close()
+
+
+def test_a_missing_image_scores_zero_on_evaluation_splits(generated):
+    env = SWEBenchEnvironment(**settings(generated, missing_image_scores_zero=["broken"]))
+    task = next(t for t in env.tasks("broken") if t.task_id == "broken__image-1")
+    episode = env.start(task, 0)
+    assert episode.step(SUBMIT).done
+    verdict = episode.verdict()
+    assert verdict.outcome == "image_unavailable" and verdict.reward("sparse") == 0.0 and not verdict.success
+
+
+def cgroups(tag: str) -> list[Path]:
+    """The cgroups (v1 or v2) of a pool slot's sandboxes."""
+    return [*Path("/sys/fs/cgroup").glob(f"*/canopy/{tag}-*"), *Path("/sys/fs/cgroup").glob(f"canopy/{tag}-*")]
+
+
+def _processes_with(marker: str, exact: bool = True) -> list[int]:
+    """Pids whose command line is `marker` (or contains it)."""
+    found = []
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                line = Path(entry.path, "cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
+            except OSError:
+                continue
+            if line == marker or (not exact and marker in line):
+                found.append(int(entry.name))
+    return found
+
+
+def test_a_worker_killed_mid_episode_leaves_nothing_behind(generated, tmp_path):
+    instance = generated["instances"][2]
+    marker = "sleep 41.25"
+    tokenizer = build_byte_tokenizer()
+    pool = EnvironmentPool(
+        "canopy.envs.swebench:SWEBenchEnvironment",
+        settings(generated, command_timeout_s=60),
+        PoolSettings(workers=1, memory_mb=4096, operation_timeouts_s={"step": 120, "verdict": 120}),
+        scratch_root=tmp_path / "pool",
+    )
+    engine = TaskScriptedEngine(tokenizer, {"sleeper": [bash(f"{marker} & {marker}; echo done")]})
+    result = {}
+
+    def rollout():
+        result["trajectories"], _ = run_episodes(
+            engine, pool, tokenizer, [(tagged(instance, "sleeper"), 0)], BUDGET, SamplingParams()
+        )
+
+    thread = threading.Thread(target=rollout)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while len(_processes_with(marker)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert len(_processes_with(marker)) == 2, "the sandboxed command never started"
+    sleeper = _processes_with(marker)[0]
+    assert " overlay " in Path(f"/proc/{sleeper}/mountinfo").read_text()  # the command's own overlay mount
+    assert cgroups("pool-w0") or os.geteuid() != 0  # the sandbox's cgroups, named by the worker's slot
+    os.kill(pool.worker_pids()[0], signal.SIGKILL)
+    thread.join(120)
+    pool.close()
+    (trajectory,) = result["trajectories"]
+    assert trajectory.quarantine == "worker_killed"
+    deadline = time.monotonic() + 10
+    while _processes_with(marker) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _processes_with(marker) == []  # the sandbox's processes died with their worker
+    assert cgroups("pool-w0") == []  # the slot's cgroups were removed
+    mounts = Path("/proc/self/mountinfo").read_text() + "".join(
+        Path(f"/proc/{pid}/mountinfo").read_text()
+        for pid in _processes_with("canopy.envs.worker", exact=False)
+        if Path(f"/proc/{pid}").exists()
+    )
+    assert str(tmp_path) not in mounts  # no overlay outlives its command
+    assert not (tmp_path / "pool").exists()
+
+
+def test_setup_errors_are_one_line_with_the_fix(generated, tmp_path):
+    from omegaconf import OmegaConf
+
+    from canopy.envs.swebench import environment_kwargs
+
+    def env(**swebench):
+        pool = {"workers": 2, "memory_mb": 4096, "operation_timeouts_s": {"step": 120, "verdict": 300}}
+        return OmegaConf.create({"name": "swebench", "pool": pool, "swebench": {**settings(generated), **swebench}})
+
+    assert environment_kwargs(env())["runtime"]["kind"] == "bwrap"
+    missing = {"kind": "bwrap", "image_root": str(tmp_path / "nowhere")}
+    with pytest.raises(ConfigError, match=r"image_root=.*nowhere does not exist: .*swe_data"):
+        environment_kwargs(env(runtime=missing))
+    with pytest.raises(ConfigError, match="podman is not installed|podman does not answer"):
+        environment_kwargs(env(runtime={"kind": "podman"}))
+    with pytest.raises(ConfigError, match=r"operation_timeouts_s.verdict=300 must exceed 600 s"):
+        environment_kwargs(env(eval_timeout_s=600))
+    with pytest.raises(ConfigError, match="missing_image_scores_zero names splits \\['verified'\\]"):
+        environment_kwargs(env(missing_image_scores_zero=["verified"]))
+    with pytest.raises(ConfigError, match="runtime.kind='lxc' is unknown"):
+        environment_kwargs(env(runtime={"kind": "lxc"}))
+
+
+def test_convert_rebench_rows_builds_gradable_instances(generated):
+    instance = generated["instances"][3]
+    row = {
+        key: instance[key] for key in ("instance_id", "repo", "base_commit", "patch", "test_patch", "problem_statement")
+    }
+    row.update(
+        FAIL_TO_PASS=json.dumps(instance["FAIL_TO_PASS"]),  # SWE-rebench stores them as JSON strings
+        PASS_TO_PASS=json.dumps(instance["PASS_TO_PASS"]),
+        docker_image=instance["image"],
+        install_config={"test_cmd": swe_data.TEST_CMD, "log_parser": "parse_log_pytest"},
+    )
+    converted = swe_data.convert_rebench(row)
+    assert converted["FAIL_TO_PASS"] == instance["FAIL_TO_PASS"] and ">>>>> Test Exit Code" in converted["eval_script"]
+    runtime = build_runtime(RuntimeSettings(kind="bwrap", image_root=str(generated["out"] / "images")))
+    assert grade(runtime, converted, converted["patch"], 60).outcome == "resolved"
+    assert grade(runtime, converted, instance["test_patch"], 60).outcome == "unresolved"
+    with pytest.raises(ValueError, match="needs docker_image and install_config"):
+        swe_data.convert_rebench({**row, "install_config": {}})
+    with pytest.raises(ValueError, match="SWE-bench/SWE-bench_Verified"):
+        swe_data.convert_verified({**row, "instance_id": "django__django-11099"})
+    verified = swe_data.convert_verified(
+        {**row, "instance_id": "django__django-11099", "eval_script": "x", "log_parser": "parse_log_django"}
+    )
+    assert verified["image"] == "swebench/sweb.eval.x86_64.django_1776_django-11099:latest"
+
+
+def test_filter_applies_appendix_h_in_order(generated, tiny_path, tmp_path):
+    instances = generated["instances"][:5]
+    long_statement = {**instances[4], "problem_statement": "word " * 3000}
+    rows = [
+        *instances[:3],
+        generated["broken"]["image_missing"],
+        generated["broken"]["wrong_base_commit"],
+        {**instances[3], "repo": "django/django"},
+        long_statement,
+    ]
+    swe_data.write_jsonl(tmp_path / "in.jsonl", rows)
+    command = [
+        sys.executable, "-m", "canopy.tools.swe_data", "filter", tmp_path / "in.jsonl", tmp_path / "out.jsonl",
+        "--tokenizer", str(tiny_path), "--image-root", str(generated["out"] / "images"), "--check-gold",
+        "--max-prompt-tokens", "2048", "--report", str(tmp_path / "report.json"),
+    ]  # fmt: skip
+    run = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    stages = [json.loads(line) for line in run.stdout.splitlines()]
+    assert [s["instances"] for s in stages] == [7, 5, 4, 3]
+    assert stages[-1]["mean_prompt_tokens"] > 0 and stages[2]["repos"] == 4
+    kept = [i["instance_id"] for i in swe_data.read_jsonl(tmp_path / "out.jsonl")]
+    assert kept == [i["instance_id"] for i in instances[:3]]
+    dropped = json.loads((tmp_path / "report.json").read_text())["dropped"]
+    assert dropped["broken__image-1"] == "(i) image not materialized"
+    assert dropped["broken__head-1"].startswith("(i) HEAD ")
+    assert dropped[instances[3]["instance_id"]].startswith("(ii) repository django/django")
+    assert dropped[instances[4]["instance_id"]].startswith("(iii) prompt ")
+
+
+def test_cache_images_reports_what_it_could_not_materialize(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))  # neither skopeo nor umoci here
+    failed = swe_data.cache_images([{"image": "swerebench/sweb.eval.x86_64.a_1776_b-1:latest"}], tmp_path, "skopeo")
+    assert failed == {
+        "swerebench/sweb.eval.x86_64.a_1776_b-1:latest": "skopeo is not installed (apt-get install skopeo)"
+    }
+
+
+@pytest.mark.slow
+def test_swebench_toy_trains_and_evaluates_end_to_end(generated, tmp_path):
+    data = generated["out"]
+    dev = [generated["instances"][7], generated["broken"]["image_missing"]]
+    swe_data.write_jsonl(tmp_path / "dev.jsonl", dev)
+    overrides = [
+        "experiment=swebench_toy",
+        f"model.tiny.dir={tmp_path / 'tiny'}",
+        "model.tiny.format_warmup_steps=0",
+        f"env.swebench.data.train={data / 'train.jsonl'}",
+        f"env.swebench.data.dev={tmp_path / 'dev.jsonl'}",
+        f"env.swebench.runtime.image_root={data / 'images'}",
+    ]
+    run = subprocess.run(
+        [sys.executable, "train.py", f"hydra.run.dir={tmp_path / 'run'}", "callbacks.budget_transfer=null", *overrides],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    from canopy.tools.tb_scalars import read_scalars
+
+    scalars = read_scalars(tmp_path / "run" / "tensorboard")
+    assert [value for _, value in scalars["outcome/no_submission"]] == [8.0, 8.0]  # 2 tasks x 4 rollouts, 2 steps
+    checkpoint = tmp_path / "run" / "final_hf"
+    evaluate = subprocess.run(
+        [sys.executable, "evaluate.py", f"hydra.run.dir={tmp_path / 'eval'}", f"checkpoint={checkpoint}", *overrides],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert evaluate.returncode == 0, evaluate.stderr[-3000:]
+    (result,) = json.loads((tmp_path / "eval" / "eval.json").read_text())
+    assert result["outcomes"] == {"no_submission": 4, "image_unavailable": 4}  # k=4; the missing image scores 0
+    assert result["metrics"]["all"]["tasks"] == 2 and result["quarantined"] == 0
+    assert set(result["by_scenario"]) == {dev[0]["repo"], dev[1]["repo"]}  # per repository, the unavailable one at 0
