@@ -22,7 +22,7 @@ from canopy.envs.pool import EnvironmentPool, PoolSettings
 from canopy.envs.runtimes import RuntimeSettings, SandboxError, build_runtime, safe_image_name
 from canopy.envs.swe_grading import grade
 from canopy.envs.swebench import SWEBenchEnvironment, harness, instance_task
-from canopy.rollout.agent_loop import Budget, run_episodes
+from canopy.rollout.agent_loop import Budget, Trajectory, run_episodes
 from canopy.rollout.engine import Generation, SamplingParams
 from canopy.tools import swe_data
 from canopy.tools.tiny_model import build_byte_tokenizer
@@ -280,42 +280,51 @@ def _processes_with(marker: str, exact: bool = True) -> list[int]:
     return found
 
 
-def test_a_worker_killed_mid_episode_leaves_nothing_behind(generated, tmp_path):
-    instance = generated["instances"][2]
-    marker = "sleep 41.25"
+SLEEPER = "sleep 41.25"  # a command line no other process has
+
+
+def kill_worker_mid_command(generated, tmp_path, runtime: dict, inspect_live) -> Trajectory:
+    """Run one episode whose command sleeps in the sandbox, call `inspect_live()` while it does, SIGKILL its worker;
+    returns the episode's trajectory once the pool is closed."""
     tokenizer = build_byte_tokenizer()
     pool = EnvironmentPool(
         "canopy.envs.swebench:SWEBenchEnvironment",
-        settings(generated, command_timeout_s=60),
+        settings(generated, command_timeout_s=60, runtime=runtime),
         PoolSettings(workers=1, memory_mb=4096, operation_timeouts_s={"step": 120, "verdict": 120}),
         scratch_root=tmp_path / "pool",
     )
-    engine = TaskScriptedEngine(tokenizer, {"sleeper": [bash(f"{marker} & {marker}; echo done")]})
+    engine = TaskScriptedEngine(tokenizer, {"sleeper": [bash(f"{SLEEPER} & {SLEEPER}; echo done")]})
+    job = [(tagged(generated["instances"][1], "sleeper"), 0)]
     result = {}
-
-    def rollout():
-        result["trajectories"], _ = run_episodes(
-            engine, pool, tokenizer, [(tagged(instance, "sleeper"), 0)], BUDGET, SamplingParams()
+    thread = threading.Thread(
+        target=lambda: result.update(
+            trajectories=run_episodes(engine, pool, tokenizer, job, BUDGET, SamplingParams())[0]
         )
-
-    thread = threading.Thread(target=rollout)
+    )
     thread.start()
     deadline = time.monotonic() + 60
-    while len(_processes_with(marker)) < 2 and time.monotonic() < deadline:
+    while len(_processes_with(SLEEPER)) < 2 and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert len(_processes_with(marker)) == 2, "the sandboxed command never started"
-    sleeper = _processes_with(marker)[0]
-    assert " overlay " in Path(f"/proc/{sleeper}/mountinfo").read_text()  # the command's own overlay mount
-    assert cgroups("pool-w0") or os.geteuid() != 0  # the sandbox's cgroups, named by the worker's slot
+    assert len(_processes_with(SLEEPER)) == 2, "the sandboxed command never started"
+    inspect_live()
     os.kill(pool.worker_pids()[0], signal.SIGKILL)
     thread.join(120)
     pool.close()
-    (trajectory,) = result["trajectories"]
-    assert trajectory.quarantine == "worker_killed"
     deadline = time.monotonic() + 10
-    while _processes_with(marker) and time.monotonic() < deadline:
+    while _processes_with(SLEEPER) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert _processes_with(marker) == []  # the sandbox's processes died with their worker
+    assert _processes_with(SLEEPER) == []  # the sandbox's processes died with their worker
+    (trajectory,) = result["trajectories"]
+    return trajectory
+
+
+def test_a_worker_killed_mid_episode_leaves_nothing_behind(generated, tmp_path):
+    def live():
+        assert " overlay " in Path(f"/proc/{_processes_with(SLEEPER)[0]}/mountinfo").read_text()  # its own mount
+        assert cgroups("pool-w0") or os.geteuid() != 0  # the sandbox's cgroups, named by the worker's slot
+
+    trajectory = kill_worker_mid_command(generated, tmp_path, settings(generated)["runtime"], live)
+    assert trajectory.quarantine == "worker_killed"
     assert cgroups("pool-w0") == []  # the slot's cgroups were removed
     mounts = Path("/proc/self/mountinfo").read_text() + "".join(
         Path(f"/proc/{pid}/mountinfo").read_text()
@@ -445,3 +454,60 @@ def test_swebench_toy_trains_and_evaluates_end_to_end(generated, tmp_path):
     assert result["outcomes"] == {"no_submission": 4, "image_unavailable": 4}  # k=4; the missing image scores 0
     assert result["metrics"]["all"]["tasks"] == 2 and result["quarantined"] == 0
     assert set(result["by_scenario"]) == {dev[0]["repo"], dev[1]["repo"]}  # per repository, the unavailable one at 0
+
+
+def docker_base() -> str | None:
+    """A docker base image for the generated tasks (bash, git, python3, pytest), when a daemon answers: README,
+    "SWE-bench" (debootstrap + docker import). CI machines have no daemon: there the docker test is skipped."""
+    base = os.environ.get("CANOPY_SWE_DOCKER_BASE", "canopy/swe-base:bookworm")
+    if shutil.which("docker") is None:
+        return None
+    probe = subprocess.run(["docker", "image", "inspect", base], capture_output=True)
+    return base if probe.returncode == 0 else None
+
+
+@pytest.mark.skipif(docker_base() is None, reason="needs a docker daemon and the base image (README, SWE-bench)")
+def test_docker_runtime_scores_and_cleans_up_like_bwrap(generated, tmp_path):
+    instances = generated["instances"][:2]
+    swe_data.build_container_images(generated["out"], instances, docker_base())
+    a, b = instances
+    scripts = {
+        "resolved": [resolve(a), SUBMIT],
+        "unresolved": [wrong_fix(a), SUBMIT],
+        "empty_patch": [SUBMIT],
+        "fork_bomb": [bash("for i in $(seq 200); do sleep 5 & done; echo forked"), resolve(b), SUBMIT],
+        "command_timeout": [bash("sleep 20"), resolve(b), SUBMIT],
+        "oom_command": [bash("python3 -c 'x = bytearray(600 * 2**20); print(len(x))'"), resolve(b), SUBMIT],
+        "network": [bash(f'python3 -c "{CONNECT}"'), resolve(b), SUBMIT],
+    }
+    tasks = [tagged(a if k in ("resolved", "unresolved", "empty_patch") else b, k) for k in scripts]
+    tokenizer = build_byte_tokenizer()
+    docker = {**settings(generated)["runtime"], "kind": "docker", "image_root": None}
+    pool = EnvironmentPool(
+        "canopy.envs.swebench:SWEBenchEnvironment",
+        settings(generated, runtime=docker),
+        PoolSettings(workers=2, memory_mb=4096, operation_timeouts_s={"step": 60, "verdict": 120}),
+        scratch_root=tmp_path / "pool",
+    )
+    try:
+        trajectories, _ = run_episodes(
+            TaskScriptedEngine(tokenizer, scripts), pool, tokenizer, [(t, 0) for t in tasks], BUDGET, SamplingParams()
+        )
+    finally:
+        pool.close()
+    outcomes = {t.task.task_id.split("/")[1]: t.verdict.outcome for t in trajectories if t.verdict}
+    expected = {k: k if k in ("resolved", "unresolved", "empty_patch") else "resolved" for k in scripts}
+    assert outcomes == expected
+    assert containers() == []  # every sandbox's container removed
+
+    def live():
+        assert len(containers()) == 1  # the episode's container, labelled with its slot
+
+    trajectory = kill_worker_mid_command(generated, tmp_path / "killed", docker, live)
+    assert trajectory.quarantine == "worker_killed"
+    assert containers() == []  # the killed worker's container was removed with its slot
+
+
+def containers() -> list[str]:
+    listing = subprocess.run(["docker", "ps", "-aq", "--filter", "label=canopy.slot"], capture_output=True, text=True)
+    return listing.stdout.split()

@@ -41,7 +41,7 @@ DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 HOST_BASE = ("/usr", "/etc")  # bound read-only under a host-based image (with /bin, /lib... linked into /usr)
 SLOT_TAG = "CANOPY_SANDBOX_TAG"  # set by the pool per worker slot: names the slot's cgroups and containers
 LABEL = "canopy.slot"
-CONTAINER_RUNTIME = "CANOPY_CONTAINER_RUNTIME"  # docker | podman when the run's sandboxes are containers
+PODMAN_FLAGS = ("--runtime", "runc", "--cgroup-manager", "cgroupfs")  # crun fails on hybrid cgroups (design notes)
 
 
 class RuntimeUnavailable(RuntimeError):
@@ -95,21 +95,16 @@ def safe_image_name(image: str) -> str:
     return image.replace("/", "_").replace(":", "_")
 
 
-def _capped(data: bytes, cap: int) -> str:
-    if len(data) > cap:
-        data = data[: cap // 2] + f"\n[canopy: {len(data) - cap} bytes elided]\n".encode() + data[-cap // 2 :]
-    return data.decode("utf-8", errors="replace")
-
-
 def _read_output(file, cap: int) -> str:
-    file.seek(0, os.SEEK_END)
-    size = file.tell()
+    """A command's output file as text; past `cap` bytes, its first and last `cap / 2` with a note between."""
+    size = file.seek(0, os.SEEK_END)
     file.seek(0)
     if size <= cap:
-        return _capped(file.read(), cap)
+        return file.read().decode("utf-8", errors="replace")
     head = file.read(cap // 2)
     file.seek(size - cap // 2)
-    return _capped(head + b"?" * (size - cap) + file.read(), cap)
+    note = f"\n[canopy: {size - cap} bytes elided]\n".encode()
+    return (head + note + file.read()).decode("utf-8", errors="replace")
 
 
 # ---------------------------------------------------------------------------------------------------- cgroups
@@ -205,12 +200,17 @@ def release_slot(tag: str) -> None:
             for path in root.glob(f"{tag}-*"):
                 _remove_cgroup(path)
     for executable in ("docker", "podman"):
-        if os.environ.get(CONTAINER_RUNTIME) == executable:
+        if shutil.which(executable) is None:
+            continue
+        command = [executable, *(PODMAN_FLAGS if executable == "podman" else ())]
+        try:
             listing = subprocess.run(
-                [executable, "ps", "-aq", "--filter", f"label={LABEL}={tag}"], capture_output=True, text=True
+                [*command, "ps", "-aq", "--filter", f"label={LABEL}={tag}"], capture_output=True, text=True, timeout=60
             )
-            if listing.stdout.split():
-                subprocess.run([executable, "rm", "-f", *listing.stdout.split()], capture_output=True)
+            if listing.returncode == 0 and listing.stdout.split():
+                subprocess.run([*command, "rm", "-f", *listing.stdout.split()], capture_output=True, timeout=300)
+        except subprocess.TimeoutExpired:
+            raise SandboxError(f"{executable} did not answer while removing the containers of {tag}") from None
 
 
 # ---------------------------------------------------------------------------------------------------- bwrap
@@ -416,9 +416,7 @@ class ContainerRuntime:
 
     def __init__(self, settings: RuntimeSettings, executable: str):
         self.settings, self.executable, self.name = settings, executable, executable
-        self.prefix = [executable]
-        if executable == "podman":  # crun fails on hybrid cgroups; rlimits cannot be raised (design/swebench.md)
-            self.prefix += ["--runtime", "runc", "--cgroup-manager", "cgroupfs"]
+        self.prefix = [executable, *(PODMAN_FLAGS if executable == "podman" else ())]
 
     @staticmethod
     def check(settings: RuntimeSettings, executable: str) -> None:
@@ -451,24 +449,9 @@ class ContainerRuntime:
         if self.executable == "podman":
             limits += ["--ulimit", f"nproc={s.pids}:{s.pids}", "--ulimit", "nofile=65536:65536"]
         tag = os.environ.get(SLOT_TAG, "canopy")
+        run = [*self.prefix, "run", "-d", "--init", "--label", f"{LABEL}={tag}", *limits, "-w", s.workdir]
         started = subprocess.run(
-            [
-                *self.prefix,
-                "run",
-                "-d",
-                "--label",
-                f"{LABEL}={tag}",
-                *limits,
-                "-w",
-                s.workdir,
-                "--entrypoint",
-                "sleep",
-                image,
-                "infinity",
-            ],
-            capture_output=True,
-            text=True,
-            timeout=300,
+            [*run, "--entrypoint", "sleep", image, "infinity"], capture_output=True, text=True, timeout=300
         )
         if started.returncode != 0:
             raise SandboxError(f"{self.executable} run {image}: {started.stderr.strip()[-300:]}")
@@ -476,8 +459,26 @@ class ContainerRuntime:
 
 
 class ContainerSandbox:
+    """A container (its init reaps) in which every process but the init and its `sleep` is killed after each
+    command: as under bwrap, nothing a command starts outlives it, and a backgrounded fork bomb cannot exhaust the
+    pids limit of the commands after it."""
+
     def __init__(self, runtime: ContainerRuntime, container: str):
         self.runtime, self.container = runtime, container
+        self.keep = set(self._host_pids())
+
+    def _host_pids(self) -> list[int]:
+        listing = subprocess.run(
+            [*self.runtime.prefix, "top", self.container, "-eo", "pid"], capture_output=True, text=True
+        )
+        return [int(pid) for pid in listing.stdout.split()[1:] if pid.isdigit()]
+
+    def _kill_leftovers(self) -> None:
+        for pid in set(self._host_pids()) - self.keep:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
 
     def run(self, command: str, timeout: float, stdin: bytes | None = None, env: dict | None = None) -> CommandResult:
         exec_args = [*self.runtime.prefix, "exec", "-i", "-w", self.runtime.settings.workdir]
@@ -485,6 +486,7 @@ class ContainerSandbox:
             exec_args += ["-e", f"{key}={value}"]
         # the container's own `timeout` kills the command inside; the client's deadline is only a backstop
         inner = ["timeout", "-s", "KILL", str(int(timeout)), "bash", "-lc", command]
+        started = time.monotonic()
         with tempfile.TemporaryFile() as output:
             try:
                 process = subprocess.run(
@@ -499,9 +501,11 @@ class ContainerSandbox:
                     f"{self.runtime.executable} exec did not return within {timeout + 30:.0f} s"
                 ) from None
             text = _read_output(output, self.runtime.settings.max_output_bytes)
+        self._kill_leftovers()
         if process.returncode in (125, 126) and "Error response from daemon" in text:
             raise SandboxError(text.strip()[-300:])
-        return CommandResult(text, process.returncode, timed_out=process.returncode == 137 and "Killed" not in text)
+        timed_out = process.returncode == 128 + signal.SIGKILL and time.monotonic() - started >= timeout
+        return CommandResult(text, process.returncode, timed_out)
 
     def close(self) -> None:
         subprocess.run([*self.runtime.prefix, "rm", "-f", self.container], capture_output=True)

@@ -24,14 +24,13 @@ import ast
 import functools
 import importlib.util
 import json
-import os
 import re
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from canopy.envs.base import EnvironmentFault, StepResult, Task, Verdict
-from canopy.envs.runtimes import CONTAINER_RUNTIME, ImageMissing, RuntimeSettings, SandboxError, build_runtime
+from canopy.envs.runtimes import ImageMissing, RuntimeSettings, SandboxError, build_runtime
 from canopy.envs.swe_grading import grade
 
 MINI_SWE_AGENT_VERSION = "1.17.5"
@@ -273,9 +272,7 @@ def environment_kwargs(env) -> dict:
         raise ConfigError("env.name=swebench runs behind the pool: set env.pool.workers >= 1")
     settings.validate(pool)
     try:
-        kind = check_runtime(RuntimeSettings(**settings.runtime))
+        check_runtime(RuntimeSettings(**settings.runtime))
     except RuntimeUnavailable as error:
         raise ConfigError(f"env.swebench.runtime: {error}") from None
-    if kind != "bwrap":
-        os.environ[CONTAINER_RUNTIME] = kind  # the pool's `release_slot` removes this runtime's containers
     return asdict(settings)

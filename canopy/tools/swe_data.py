@@ -5,7 +5,7 @@ generate small SWE-style tasks.
     python -m canopy.tools.swe_data filter INSTANCES.jsonl OUT.jsonl --verified VERIFIED.jsonl --tokenizer MODEL_DIR
         [--image-root DIR | --runtime docker] [--check-gold] [--max-prompt-tokens 4096] [--report REPORT.json]
     python -m canopy.tools.swe_data cache-images INSTANCES.jsonl --image-root DIR [--tool skopeo|podman]
-    python -m canopy.tools.swe_data generate OUT_DIR [--tasks 8] [--seed 0]
+    python -m canopy.tools.swe_data generate OUT_DIR [--tasks 8] [--dev 0] [--seed 0] [--docker-base IMAGE]
 
 `convert` writes instances in the format swebench 5.x grades (`image`, `eval_script`, `log_parser`, `eval_type`,
 FAIL_TO_PASS / PASS_TO_PASS as lists). SWE-rebench rows carry `install_config` (`test_cmd`, `log_parser`) and
@@ -432,14 +432,19 @@ def derive_tests(runtime, instance: dict) -> dict:
     return {**instance, "FAIL_TO_PASS": f2p, "PASS_TO_PASS": p2p}
 
 
-def generate(out: str | Path, tasks: int, seed: int = 0, splits: dict[str, int] | None = None) -> dict[str, Path]:
-    """`tasks` generated tasks under `out` (images/ and one JSONL per split); returns split -> JSONL path."""
+def generate(
+    out: str | Path, tasks: int, seed: int = 0, splits: dict[str, int] | None = None, container_base: str | None = None
+) -> dict[str, Path]:
+    """`tasks` generated tasks under `out` (images/ and one JSONL per split; with `container_base`, also built as
+    docker images on that base); returns split -> JSONL path."""
     from canopy.envs.runtimes import RuntimeSettings, build_runtime
 
     out = Path(out)
     rng = random.Random(seed)
     runtime = build_runtime(RuntimeSettings(kind="bwrap", image_root=str(out / "images"), memory_mb=2048))
     instances = [derive_tests(runtime, generate_task(out, i, rng)) for i in range(tasks)]
+    if container_base is not None:
+        build_container_images(out, instances, container_base)
     splits = splits or {"train": tasks}
     paths, start = {}, 0
     for split, count in splits.items():
@@ -447,6 +452,22 @@ def generate(out: str | Path, tasks: int, seed: int = 0, splits: dict[str, int] 
         write_jsonl(paths[split], instances[start : start + count])
         start += count
     return paths
+
+
+def build_container_images(out: Path, instances: list[dict], base: str, executable: str = "docker") -> None:
+    """Each generated task as a container image too: `base` (an image with bash, git, python3 and pytest, e.g. a
+    `debootstrap` root file system `docker import`ed) plus the task's `/testbed`, built without a registry."""
+    from canopy.envs.runtimes import safe_image_name
+
+    for instance in instances:
+        context = out / "images" / safe_image_name(instance["image"]) / "rootfs"
+        dockerfile = f"FROM {base}\nCOPY testbed /testbed\nWORKDIR /testbed\n"
+        done = subprocess.run(
+            [executable, "build", "-q", "-t", instance["image"], "-f", "-", str(context)],
+            input=dockerfile, capture_output=True, text=True,
+        )  # fmt: skip
+        if done.returncode != 0:
+            raise RuntimeError(f"{executable} build {instance['image']}: {done.stderr.strip()[-300:]}")
 
 
 # ---------------------------------------------------------------------------------------------------- CLI
@@ -479,6 +500,7 @@ def main(argv: list[str] | None = None) -> None:
     gen.add_argument("--tasks", type=int, default=8)
     gen.add_argument("--dev", type=int, default=0, help="of which this many go to dev.jsonl")
     gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--docker-base", help="also build each task as a docker image on this base image")
     args = parser.parse_args(argv)
     log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
 
@@ -521,7 +543,7 @@ def main(argv: list[str] | None = None) -> None:
             sys.exit(f"error: {len(failed)} image(s) not materialized; first: {next(iter(failed.items()))}")
     elif args.command == "generate":
         splits = {"train": args.tasks - args.dev, **({"dev": args.dev} if args.dev else {})}
-        paths = generate(args.out, args.tasks, args.seed, splits)
+        paths = generate(args.out, args.tasks, args.seed, splits, args.docker_base)
         print(json.dumps({split: str(path) for split, path in paths.items()}))
 
 
