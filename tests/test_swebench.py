@@ -511,3 +511,36 @@ def test_docker_runtime_scores_and_cleans_up_like_bwrap(generated, tmp_path):
 def containers() -> list[str]:
     listing = subprocess.run(["docker", "ps", "-aq", "--filter", "label=canopy.slot"], capture_output=True, text=True)
     return listing.stdout.split()
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None, reason="drops from root to nobody")
+def test_bwrap_runs_rootless(generated):
+    """The bwrap runtime as an unprivileged user: a user namespace maps it to root over its own image copy (as
+    `umoci unpack --rootless` leaves it), no cgroups, an address-space cap instead."""
+    import tempfile
+
+    image = generated["instances"][0]["image"]
+    folder = Path(tempfile.mkdtemp(prefix="canopy-rootless-", dir="/tmp"))
+    try:
+        folder.chmod(0o755)
+        shutil.copytree(
+            generated["out"] / "images" / safe_image_name(image),
+            folder / "images" / safe_image_name(image),
+            symlinks=True,
+        )
+        subprocess.run(["chown", "-R", "nobody:nogroup", str(folder)], check=True)
+        run = subprocess.run(
+            ["setpriv", "--reuid", "nobody", "--regid", "nogroup", "--clear-groups", "/usr/bin/python3",
+             str(ROOT / "tests" / "rootless_probe.py"), str(folder), image],
+            env={"PATH": "/usr/bin:/bin", "HOME": str(folder), "PYTHONPATH": str(ROOT)},
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert run.returncode == 0, run.stderr[-2000:]
+        out = json.loads(run.stdout)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    assert out["rootless"] and not out["cgroups"]
+    assert out["head"] == [0, generated["instances"][0]["base_commit"] + "\n"]
+    assert out["persist"] == [0, "hello\n?? notes.txt\n"]  # files outlive their command
+    assert "Read-only file system" in out["usr"][1] and "Network is unreachable" in out["net"][1]
+    assert out["memory"][0] != 0 and "MemoryError" in out["memory"][1]
