@@ -456,20 +456,38 @@ def test_swebench_toy_trains_and_evaluates_end_to_end(generated, tmp_path):
     assert set(result["by_scenario"]) == {dev[0]["repo"], dev[1]["repo"]}  # per repository, the unavailable one at 0
 
 
-def docker_base() -> str | None:
-    """A docker base image for the generated tasks (bash, git, python3, pytest), when a daemon answers: README,
-    "SWE-bench" (debootstrap + docker import). CI machines have no daemon: there the docker test is skipped."""
-    base = os.environ.get("CANOPY_SWE_DOCKER_BASE", "canopy/swe-base:bookworm")
-    if shutil.which("docker") is None:
+def container_base(executable: str) -> str | None:
+    """A base image for the generated tasks (bash, git, python3, pytest) in `executable`'s store, when it answers:
+    README, "SWE-bench" (debootstrap + import). CI machines have neither daemon: there these tests are skipped."""
+    base = os.environ.get("CANOPY_SWE_CONTAINER_BASE", "canopy/swe-base:bookworm")
+    if shutil.which(executable) is None:
         return None
-    probe = subprocess.run(["docker", "image", "inspect", base], capture_output=True)
+    probe = subprocess.run([executable, *container_flags(executable), "image", "inspect", base], capture_output=True)
     return base if probe.returncode == 0 else None
 
 
-@pytest.mark.skipif(docker_base() is None, reason="needs a docker daemon and the base image (README, SWE-bench)")
-def test_docker_runtime_scores_and_cleans_up_like_bwrap(generated, tmp_path):
+def container_flags(executable: str) -> tuple[str, ...]:
+    from canopy.envs.runtimes import PODMAN_FLAGS
+
+    return PODMAN_FLAGS if executable == "podman" else ()
+
+
+def containers(executable: str) -> list[str]:
+    listing = subprocess.run(
+        [executable, *container_flags(executable), "ps", "-aq", "--filter", "label=canopy.slot"],
+        capture_output=True,
+        text=True,
+    )
+    return listing.stdout.split()
+
+
+@pytest.mark.parametrize("executable", ["docker", "podman"])
+def test_container_runtimes_score_and_clean_up_like_bwrap(generated, tmp_path, executable):
+    base = container_base(executable)
+    if base is None:
+        pytest.skip(f"needs {executable} answering with the base image (README, SWE-bench)")
     instances = generated["instances"][:2]
-    swe_data.build_container_images(generated["out"], instances, docker_base())
+    swe_data.build_container_images(generated["out"], instances, base, executable)
     a, b = instances
     scripts = {
         "resolved": [resolve(a), SUBMIT],
@@ -482,10 +500,10 @@ def test_docker_runtime_scores_and_cleans_up_like_bwrap(generated, tmp_path):
     }
     tasks = [tagged(a if k in ("resolved", "unresolved", "empty_patch") else b, k) for k in scripts]
     tokenizer = build_byte_tokenizer()
-    docker = {**settings(generated)["runtime"], "kind": "docker", "image_root": None}
+    runtime = {**settings(generated)["runtime"], "kind": executable, "image_root": None}
     pool = EnvironmentPool(
         "canopy.envs.swebench:SWEBenchEnvironment",
-        settings(generated, runtime=docker),
+        settings(generated, runtime=runtime),
         PoolSettings(workers=2, memory_mb=4096, operation_timeouts_s={"step": 60, "verdict": 120}),
         scratch_root=tmp_path / "pool",
     )
@@ -496,21 +514,15 @@ def test_docker_runtime_scores_and_cleans_up_like_bwrap(generated, tmp_path):
     finally:
         pool.close()
     outcomes = {t.task.task_id.split("/")[1]: t.verdict.outcome for t in trajectories if t.verdict}
-    expected = {k: k if k in ("resolved", "unresolved", "empty_patch") else "resolved" for k in scripts}
-    assert outcomes == expected
-    assert containers() == []  # every sandbox's container removed
+    assert outcomes == {k: k if k in ("resolved", "unresolved", "empty_patch") else "resolved" for k in scripts}
+    assert containers(executable) == []  # every sandbox's container removed
 
     def live():
-        assert len(containers()) == 1  # the episode's container, labelled with its slot
+        assert len(containers(executable)) == 1  # the episode's container, labelled with its slot
 
-    trajectory = kill_worker_mid_command(generated, tmp_path / "killed", docker, live)
+    trajectory = kill_worker_mid_command(generated, tmp_path / "killed", runtime, live)
     assert trajectory.quarantine == "worker_killed"
-    assert containers() == []  # the killed worker's container was removed with its slot
-
-
-def containers() -> list[str]:
-    listing = subprocess.run(["docker", "ps", "-aq", "--filter", "label=canopy.slot"], capture_output=True, text=True)
-    return listing.stdout.split()
+    assert containers(executable) == []  # the killed worker's container was removed with its slot
 
 
 @pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None, reason="drops from root to nobody")

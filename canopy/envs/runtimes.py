@@ -446,8 +446,9 @@ class ContainerRuntime:
             "--pids-limit",
             str(s.pids),
         ]
-        if self.executable == "podman":
-            limits += ["--ulimit", f"nproc={s.pids}:{s.pids}", "--ulimit", "nofile=65536:65536"]
+        if self.executable == "podman":  # explicit rlimits, within this process's own (it cannot raise them)
+            soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+            limits += ["--ulimit", f"nproc={s.pids}:{s.pids}", "--ulimit", f"nofile={soft}:{hard}"]
         tag = os.environ.get(SLOT_TAG, "canopy")
         run = [*self.prefix, "run", "-d", "--init", "--label", f"{LABEL}={tag}", *limits, "-w", s.workdir]
         started = subprocess.run(
@@ -468,8 +469,9 @@ class ContainerSandbox:
         self.keep = set(self._host_pids())
 
     def _host_pids(self) -> list[int]:
+        host_pid = ["hpid"] if self.runtime.executable == "podman" else ["-eo", "pid"]  # host pids, not the container's
         listing = subprocess.run(
-            [*self.runtime.prefix, "top", self.container, "-eo", "pid"], capture_output=True, text=True
+            [*self.runtime.prefix, "top", self.container, *host_pid], capture_output=True, text=True
         )
         return [int(pid) for pid in listing.stdout.split()[1:] if pid.isdigit()]
 

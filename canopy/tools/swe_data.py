@@ -463,7 +463,7 @@ def build_container_images(out: Path, instances: list[dict], base: str, executab
         context = out / "images" / safe_image_name(instance["image"]) / "rootfs"
         dockerfile = f"FROM {base}\nCOPY testbed /testbed\nWORKDIR /testbed\n"
         done = subprocess.run(
-            [executable, "build", "-q", "-t", instance["image"], "-f", "-", str(context)],
+            [executable, "build", "-q", "-t", instance["image"], "-f", "-", str(context)],  # no registry needed
             input=dockerfile, capture_output=True, text=True,
         )  # fmt: skip
         if done.returncode != 0:
