@@ -450,7 +450,19 @@ class ContainerRuntime:
             soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
             limits += ["--ulimit", f"nproc={s.pids}:{s.pids}", "--ulimit", f"nofile={soft}:{hard}"]
         tag = os.environ.get(SLOT_TAG, "canopy")
-        run = [*self.prefix, "run", "-d", "--init", "--label", f"{LABEL}={tag}", *limits, "-w", s.workdir]
+        run = [
+            *self.prefix,
+            "run",
+            "-d",
+            "--pull",
+            "never",
+            "--init",
+            "--label",
+            f"{LABEL}={tag}",
+            *limits,
+            "-w",
+            s.workdir,
+        ]
         started = subprocess.run(
             [*run, "--entrypoint", "sleep", image, "infinity"], capture_output=True, text=True, timeout=300
         )

@@ -3,8 +3,9 @@ generate small SWE-style tasks.
 
     python -m canopy.tools.swe_data convert rebench|verified ROWS.jsonl OUT.jsonl
     python -m canopy.tools.swe_data filter INSTANCES.jsonl OUT.jsonl --verified VERIFIED.jsonl --tokenizer MODEL_DIR
-        [--image-root DIR | --runtime docker] [--check-gold] [--max-prompt-tokens 4096] [--report REPORT.json]
-    python -m canopy.tools.swe_data cache-images INSTANCES.jsonl --image-root DIR [--tool skopeo|podman]
+        [--image-root DIR | --runtime docker] [--materialize skopeo|docker|podman] [--check-gold]
+        [--max-prompt-tokens 4096] [--report REPORT.json]
+    python -m canopy.tools.swe_data cache-images INSTANCES.jsonl --image-root DIR [--tool skopeo|docker|podman]
     python -m canopy.tools.swe_data generate OUT_DIR [--tasks 8] [--dev 0] [--seed 0] [--docker-base IMAGE]
 
 `convert` writes instances in the format swebench 5.x grades (`image`, `eval_script`, `log_parser`, `eval_type`,
@@ -14,14 +15,15 @@ between its markers, the test command's exit status recorded). SWE-bench Verifie
 dataset (`SWE-bench/SWE-bench_Verified`, which carries `eval_script`); its image name is swebench's.
 
 `filter` applies Appendix H in order, reporting counts, distinct repos and mean prompt tokens after each stage
-(the paper: 5,639 tasks, 1,667 repos, 1,821 mean prompt tokens): (i) the image is materialized on this machine and a
-sandbox starts at `base_commit` (with `--check-gold`, also: the gold patch resolves and an empty patch does not),
-(ii) every instance of a repository that appears in Verified is dropped, (iii) the prompt (mini-swe-agent's
-messages in the policy's chat template) is at most 4,096 tokens.
+(the paper: 5,639 tasks, 1,667 repos, 1,821 mean prompt tokens): (i) the image is materialized on this machine
+(`--materialize TOOL` pulls / unpacks it first, as `cache-images` does) and a sandbox starts at `base_commit` (with
+`--check-gold`, also: the gold patch resolves and an empty patch does not), (ii) every instance of a repository
+that appears in Verified is dropped, (iii) the prompt (mini-swe-agent's messages in the policy's chat template) is
+at most 4,096 tokens.
 
 `cache-images` materializes each instance's image before training, so training never pulls: unpacked under an
-image root for the bwrap runtime (`skopeo copy` + `umoci unpack`, or `podman image mount`), or pulled into the
-docker / podman store. It needs a registry, so it runs on a connected machine.
+image root for the bwrap runtime (`skopeo copy` + `umoci unpack`), or pulled into the docker / podman store. It
+needs a registry, so it runs on a connected machine.
 
 `generate` writes small SWE-style tasks for tests and the CPU experiment: each a git repository with one bug, a test
 patch and a gold patch, its image (the repository only, on the host's /usr: `canopy-image.json` base host), and
@@ -490,6 +492,7 @@ def main(argv: list[str] | None = None) -> None:
     filt.add_argument("--image-root", help="unpacked images (bwrap); without it: --runtime")
     filt.add_argument("--runtime", default="auto", choices=("auto", "bwrap", "docker", "podman"))
     filt.add_argument("--check-gold", action="store_true", help="also: the gold patch resolves, an empty one does not")
+    filt.add_argument("--materialize", choices=("skopeo", "docker", "podman"), help="pull / unpack the images first")
     filt.add_argument("--report", help="write the stage reports and drop reasons here (JSON)")
     cache = commands.add_parser("cache-images", help="materialize the images so that training never pulls")
     cache.add_argument("instances")
@@ -527,8 +530,11 @@ def main(argv: list[str] | None = None) -> None:
         settings = RuntimeSettings(kind="bwrap" if args.image_root else args.runtime, image_root=args.image_root)
         check_runtime(settings)
         verified = {i["repo"] for i in read_jsonl(args.verified)} if args.verified else set(VERIFIED_REPOS)
+        instances = read_jsonl(args.instances)
+        if args.materialize:  # stage (i) starts by pulling / unpacking; what fails is dropped by the check below
+            cache_images(instances, Path(args.image_root or "."), args.materialize, log)
         kept, reports, dropped = filter_instances(
-            read_jsonl(args.instances), build_runtime(settings, tempfile.mkdtemp(prefix="canopy-filter-")), verified,
+            instances, build_runtime(settings, tempfile.mkdtemp(prefix="canopy-filter-")), verified,
             args.tokenizer, args.max_prompt_tokens, args.check_gold, {"enable_thinking": args.enable_thinking}, log,
         )  # fmt: skip
         write_jsonl(args.out, kept)
