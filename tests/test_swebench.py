@@ -335,7 +335,7 @@ def test_a_worker_killed_mid_episode_leaves_nothing_behind(generated, tmp_path):
     assert not (tmp_path / "pool").exists()
 
 
-def test_setup_errors_are_one_line_with_the_fix(generated, tmp_path):
+def test_setup_errors_are_one_line_with_the_fix(generated, tmp_path, monkeypatch):
     from omegaconf import OmegaConf
 
     from canopy.envs.swebench import environment_kwargs
@@ -348,12 +348,16 @@ def test_setup_errors_are_one_line_with_the_fix(generated, tmp_path):
     missing = {"kind": "bwrap", "image_root": str(tmp_path / "nowhere")}
     with pytest.raises(ConfigError, match=r"image_root=.*nowhere does not exist: .*swe_data"):
         environment_kwargs(env(runtime=missing))
-    with pytest.raises(ConfigError, match="podman is not installed|podman does not answer"):
-        environment_kwargs(env(runtime={"kind": "podman"}))
+    with monkeypatch.context() as patch:
+        patch.setenv("PATH", str(tmp_path))  # no podman here
+        with pytest.raises(ConfigError, match="podman is not installed: apt-get install podman, or use bwrap"):
+            environment_kwargs(env(runtime={"kind": "podman"}))
     with pytest.raises(ConfigError, match=r"operation_timeouts_s.verdict=300 must exceed 600 s"):
         environment_kwargs(env(eval_timeout_s=600))
     with pytest.raises(ConfigError, match="missing_image_scores_zero names splits \\['verified'\\]"):
         environment_kwargs(env(missing_image_scores_zero=["verified"]))
+    with pytest.raises(ConfigError, match=r"env.swebench.data.verified=.*verified.jsonl does not exist: prepare it"):
+        environment_kwargs(env(data={"verified": str(tmp_path / "verified.jsonl")}))
     with pytest.raises(ConfigError, match="runtime.kind='lxc' is unknown"):
         environment_kwargs(env(runtime={"kind": "lxc"}))
 

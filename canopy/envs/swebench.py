@@ -146,6 +146,12 @@ class SWEBenchSettings:
         require(
             self.data, "env.swebench.data is empty: map each split to an instances JSONL (env.swebench.data.train=...)"
         )
+        for split, path in self.data.items():
+            require(
+                Path(path).is_file(),
+                f"env.swebench.data.{split}={path} does not exist: prepare it with python -m canopy.tools.swe_data "
+                f"(convert and filter; generate for the toy tasks), or drop the split (~env.swebench.data.{split})",
+            )
         unknown = sorted(set(self.missing_image_scores_zero) - set(self.data))
         require(
             not unknown, f"env.swebench.missing_image_scores_zero names splits {unknown} that env.swebench.data lacks"
@@ -180,12 +186,15 @@ class SWEBenchEpisode:
         except SandboxError as error:
             raise EnvironmentFault("sandbox_failed", str(error)) from None
         if env.settings.check_base_commit:
-            head = self._run("git rev-parse HEAD", 60).output.strip()
-            if head != self.instance["base_commit"]:
+            try:
+                head = self._run("git rev-parse HEAD", 60).output.strip()
+                if head != self.instance["base_commit"]:
+                    raise EnvironmentFault(
+                        "wrong_base_commit", f"HEAD {head[:40]!r}, expected {self.instance['base_commit']}"
+                    )
+            except EnvironmentFault:
                 self.close()
-                raise EnvironmentFault(
-                    "wrong_base_commit", f"HEAD {head[:40]!r}, expected {self.instance['base_commit']}"
-                )
+                raise
 
     def _run(self, command: str, timeout: float):
         try:
