@@ -2,6 +2,7 @@
 swebench's grading: every reward, every non-terminal observation, every quarantine reason, and nothing left behind
 when a worker dies."""
 
+import dataclasses
 import json
 import os
 import re
@@ -108,7 +109,8 @@ class TaskScriptedEngine:
             turn = text.count("<|im_start|>assistant") - 1
             script = self.scripts[key]
             ids = self.tokenizer.encode(script[min(turn, len(script) - 1)], add_special_tokens=False) + [self.im_end]
-            out.append(Generation(ids[:limit], [-0.1] * min(len(ids), limit), "stop", 0))
+            reason = "stop" if len(ids) <= limit else "length"
+            out.append(Generation(ids[:limit], [-0.1] * min(len(ids), limit), reason, 0))
         return out
 
 
@@ -194,10 +196,17 @@ def test_every_reward_observation_and_quarantine_through_the_pool(generated):
         settings(generated),
         PoolSettings(workers=2, memory_mb=4096, operation_timeouts_s={"step": 60, "verdict": 120}),
     )
+    engine = TaskScriptedEngine(
+        tokenizer, scripts | {"token_budget": [bash("ls " * 200)], "context_limit": [bash("seq 5000")]}
+    )
     try:
-        trajectories, _ = run_episodes(
-            TaskScriptedEngine(tokenizer, scripts), pool, tokenizer, [(t, 0) for t in tasks], BUDGET, SamplingParams()
-        )
+        trajectories, _ = run_episodes(engine, pool, tokenizer, [(t, 0) for t in tasks], BUDGET, SamplingParams())
+        for limit, budget in (  # the budget's other limits, each on one episode
+            ("token_budget", dataclasses.replace(BUDGET, max_response_tokens=900)),
+            ("context_limit", dataclasses.replace(BUDGET, max_context_tokens=10000)),
+        ):
+            (t,), _ = run_episodes(engine, pool, tokenizer, [(tagged(a, limit), 0)], budget, SamplingParams())
+            assert t.ending == limit and t.verdict.outcome == "no_submission" and t.reward("sparse") == -0.2
     finally:
         pool.close()
     by_key = {t.task.task_id.split("/")[1]: t for t in trajectories}
