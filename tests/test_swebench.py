@@ -47,6 +47,13 @@ def bash(command: str) -> str:
     return f"THOUGHT: next.\n\n```bash\n{command}\n```"
 
 
+def new_file_diff(path: str, text: str) -> str:
+    lines = text.splitlines()
+    body = "".join(f"+{line}\n" for line in lines)
+    header = f"diff --git a/{path} b/{path}\nnew file mode 100644\n--- /dev/null\n+++ b/{path}\n"
+    return f"{header}@@ -0,0 +1,{len(lines)} @@\n{body}"
+
+
 def resolve(instance: dict) -> str:
     """A reply that applies the gold fix."""
     return bash(f"git apply <<'EOF'\n{instance['patch']}EOF")
@@ -160,6 +167,9 @@ def test_grading_follows_swebench(generated):
     started = time.monotonic()
     assert grade(runtime, hanging, instance["patch"], 2).outcome == "unresolved"  # a hung eval fails its tests
     assert time.monotonic() - started < 20
+    conftest = "def pytest_unconfigure(config):\n    print('Could not resolve host: pypi.org')\n"
+    printing = grade(runtime, instance, instance["patch"] + new_file_diff("conftest.py", conftest), 60)
+    assert printing.outcome == "resolved"  # what the patch makes the tests print is not an infrastructure failure
     with pytest.raises(EnvironmentFault, match="grading_infra_failure"):
         infra = generated["broken"]["grading_infra_failure"]
         grade(runtime, infra, infra["patch"], 60)

@@ -8,7 +8,8 @@ empty `swebench.harness` package, and fails loudly if the pinned version changes
 
 Outcomes (Table A3): `resolved` 1; `unresolved` (tests fail, error or hang) 0; `empty_patch` and
 `patch_apply_failed` -> the no-patch reward. A grading sandbox that fails, or a log with one of swebench's
-environment-tier infrastructure signatures, is the serving layer's fault (`EnvironmentFault`, quarantined).
+environment-tier infrastructure signatures outside the test output (which the patch controls), is the serving
+layer's fault (`EnvironmentFault`, quarantined).
 """
 
 import ast
@@ -135,9 +136,13 @@ def score_log(instance: dict, log: str) -> tuple[int, int, bool]:
 
 
 def infra_failure(log: str) -> str | None:
-    """swebench's environment-tier infrastructure signature in `log` (daemon, OOM, DNS...), else None."""
+    """swebench's environment-tier infrastructure signature (daemon, OOM, DNS...) in `log` outside the test output,
+    else None. The test output is left out: the submitted patch controls what the tests print (a conftest.py that
+    prints "Could not resolve host" must not turn a failure into a quarantine)."""
     sb = swebench()
-    found = sb.infra.classify_text(log)
+    head, _, rest = log.partition(sb.constants.START_TEST_OUTPUT)
+    outside = head + rest.partition(sb.constants.END_TEST_OUTPUT)[2]
+    found = sb.infra.classify_text(outside)
     return found[0] if found and found[1] == sb.infra.TIER_ENVIRONMENT else None
 
 
