@@ -114,7 +114,7 @@ class Worker:
         log_dir: Path,
     ):
         self.slot, self.settings, self.episodes_served, self.uid, self.log_dir = slot, settings, 0, uid, log_dir
-        scratch = scratch_root / f"w{slot}"
+        self.scratch = scratch = scratch_root / f"w{slot}"
         self.tag = f"{scratch_root.name}-w{slot}"  # names the cgroups and containers of this slot's sandboxes
         self.log = scratch_root / "logs" / f"worker{slot}.log"
         self.log.parent.mkdir(parents=True, exist_ok=True)
@@ -194,7 +194,7 @@ class Worker:
             stream.close()
         if self.uid is not None:
             kill_uid(self.uid)
-        release_slot(self.tag)
+        release_slot(self.tag, self.scratch)
 
 
 class EnvironmentPool:

@@ -41,6 +41,7 @@ DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 HOST_BASE = ("/usr", "/etc")  # bound read-only under a host-based image (with /bin, /lib... linked into /usr)
 SLOT_TAG = "CANOPY_SANDBOX_TAG"  # set by the pool per worker slot: names the slot's cgroups and containers
 LABEL = "canopy.slot"
+CONTAINER_MARKER = "container-runtime"  # in a worker's scratch folder: the docker or podman its sandboxes use
 PODMAN_FLAGS = ("--runtime", "runc", "--cgroup-manager", "cgroupfs")  # crun fails on hybrid cgroups (design notes)
 
 
@@ -192,25 +193,27 @@ def _remove_cgroup(path: Path) -> None:
             time.sleep(0.01)
 
 
-def release_slot(tag: str) -> None:
-    """Remove everything a worker slot's sandboxes left: cgroups, and containers of docker or podman. Called by
-    the pool when it stops a worker (which may have been killed mid-episode)."""
+def release_slot(tag: str, scratch: Path) -> None:
+    """Remove everything a worker slot's sandboxes left: cgroups, and the containers of the docker or podman its
+    runtime named in `scratch` (the worker's scratch folder). Called by the pool when it stops a worker (which may
+    have been killed mid-episode)."""
     for root in [CGROUP_ROOT / c / "canopy" for c in CGROUP_V1_CONTROLLERS] + [CGROUP_ROOT / "canopy"]:
         if root.is_dir():
             for path in root.glob(f"{tag}-*"):
                 _remove_cgroup(path)
-    for executable in ("docker", "podman"):
-        if shutil.which(executable) is None:
-            continue
-        command = [executable, *(PODMAN_FLAGS if executable == "podman" else ())]
-        try:
-            listing = subprocess.run(
-                [*command, "ps", "-aq", "--filter", f"label={LABEL}={tag}"], capture_output=True, text=True, timeout=60
-            )
-            if listing.returncode == 0 and listing.stdout.split():
-                subprocess.run([*command, "rm", "-f", *listing.stdout.split()], capture_output=True, timeout=300)
-        except subprocess.TimeoutExpired:
-            raise SandboxError(f"{executable} did not answer while removing the containers of {tag}") from None
+    marker = scratch / CONTAINER_MARKER
+    if not marker.is_file():
+        return
+    executable = marker.read_text().strip()
+    command = [executable, *(PODMAN_FLAGS if executable == "podman" else ())]
+    try:
+        listing = subprocess.run(
+            [*command, "ps", "-aq", "--filter", f"label={LABEL}={tag}"], capture_output=True, text=True, timeout=60
+        )
+        if listing.returncode == 0 and listing.stdout.split():
+            subprocess.run([*command, "rm", "-f", *listing.stdout.split()], capture_output=True, timeout=300)
+    except subprocess.TimeoutExpired:
+        raise SandboxError(f"{executable} did not answer while removing the containers of {tag}") from None
 
 
 # ---------------------------------------------------------------------------------------------------- bwrap
@@ -417,6 +420,10 @@ class ContainerRuntime:
     def __init__(self, settings: RuntimeSettings, executable: str):
         self.settings, self.executable, self.name = settings, executable, executable
         self.prefix = [executable, *(PODMAN_FLAGS if executable == "podman" else ())]
+        if os.environ.get("CANOPY_SCRATCH_ROOT"):  # a pool worker: tell `release_slot` whose containers to remove
+            scratch = Path(os.environ["CANOPY_SCRATCH_ROOT"])
+            scratch.mkdir(parents=True, exist_ok=True)
+            (scratch / CONTAINER_MARKER).write_text(executable)
 
     @staticmethod
     def check(settings: RuntimeSettings, executable: str) -> None:
