@@ -9,7 +9,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 class FakeSGLang:
     """Records every (path, body); /generate replies `reply_ids` (cut at max_new_tokens) stamped with the version
-    the last weight update set. `failures` scripts the next /generate replies: abort, 500, 400 or drop."""
+    the last weight update set, after `delay` seconds (or `delay(body)`). `failures` scripts the next /generate
+    replies: abort, 500, 400 or drop."""
 
     def __init__(self, reply_ids=(7, 8, 2), delay=0.0, port=0):
         self.reply_ids, self.delay = list(reply_ids), delay
@@ -50,7 +51,7 @@ class FakeSGLang:
             self.calls.append((path, body))
             failure = self.failures.pop(0) if path == "/generate" and self.failures else None
         if path == "/generate":
-            time.sleep(self.delay)
+            time.sleep(self.delay(body) if callable(self.delay) else self.delay)
             if failure == "drop":
                 request.close_connection = True
                 return

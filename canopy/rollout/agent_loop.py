@@ -2,14 +2,15 @@
 
 Each episode's sequence is built from ids only: the rendered prompt (mask 0), then per turn the ids the
 engine generated (mask 1, stop token included) and the rendered observation (mask 0). The past is never
-re-tokenized, so the trainer scores exactly the tokens the engine sampled. All live episodes of a rollout
-step generate together, one batched engine call per turn.
+re-tokenized, so the trainer scores exactly the tokens the engine sampled. Each episode runs its own
+generate -> step loop (`run_episodes`), so environment steps overlap generation.
 """
 
 import functools
+import threading
 import time
 from collections import deque
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from tqdm.auto import tqdm
@@ -132,83 +133,232 @@ def run_episodes(
     sampling: SamplingParams,
     seed: int = 0,
     description: str = "rollout",
+    concurrency: int | None = None,
 ) -> tuple[list[Trajectory], dict[str, float]]:
     """Run one episode per (task, sample_index) job to its end; returns trajectories in job order and timings.
 
-    Episodes waiting for an action are generated together, in job order. An environment served by worker
-    processes (`max_concurrent_episodes` set) runs at most that many episodes at once and its calls run in
-    threads, so a slow episode holds back only itself; an in-process environment runs every job at once and
-    its calls run inline, turn by turn.
+    Each episode runs its own loop (`_episode`: start, then generate -> step until it ends), at most `concurrency`
+    at once (default: the pool's `max_concurrent_episodes`, else every job). How the loops meet the engine:
+    - an environment behind a pool, or an engine serving concurrent requests (`engine.concurrent`, SGLang): each
+      episode in a thread of its own, so the environment steps of some overlap the generation of others; SGLang gets
+      each request as its episode makes it, keyed by the episode (sticky routing), a batch-at-a-time engine (the
+      local one) gets whatever requests are pending when it is free (`_Gatherer`, run in this thread);
+    - an in-process environment with a batch-at-a-time engine: in this thread, every live episode's request in one
+      batch per turn, in job order, as before (a seeded run samples exactly as it did).
+    The first error of any episode stops the others and is raised.
     """
     started = time.perf_counter()
-    timings = {"generation": 0.0, "env": 0.0}
     im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
     trajectories = [Trajectory(task, sample_index, [], [], [], 0) for task, sample_index in jobs]
     pooled = getattr(env, "max_concurrent_episodes", None)
-    concurrency = pooled or len(jobs)
-    executor = ThreadPoolExecutor(max_workers=pooled) if pooled else _Inline()
-    pending = deque(range(len(jobs)))
-    in_flight: dict[Future, int] = {}  # environment calls under way
+    limit = max(1, min(concurrency or pooled or len(jobs), len(jobs)))
     progress = tqdm(total=len(jobs), desc=description, unit="ep", leave=False, dynamic_ncols=True)
+
+    def episode(index: int):
+        return _episode(env, tokenizer, trajectories[index], index, seed + index, budget, im_end)
+
     try:
-        while pending or in_flight:
-            while pending and len(in_flight) < concurrency:
-                i = pending.popleft()
-                in_flight[executor.submit(_begin, env, tokenizer, trajectories[i], i, seed + i, budget)] = i
-            done, _ = wait(in_flight, return_when=FIRST_COMPLETED)
-            ready: list[_Live] = []  # episodes waiting for their next action
-            for future in done:
-                del in_flight[future]
-                item = future.result()
-                if item is None:
-                    progress.update(1)
-                else:
-                    ready.append(item)
-            if not ready:
-                continue
-            ready.sort(key=lambda item: item.index)
-            generation_started = time.perf_counter()
-            generations = engine.generate(
-                [item.trajectory.token_ids for item in ready], _limits(ready, budget), sampling
-            )
-            timings["generation"] += time.perf_counter() - generation_started
-            for item, generation in zip(ready, generations):
-                in_flight[executor.submit(_advance, item, generation, tokenizer, budget, im_end)] = item.index
-            progress.set_postfix(
-                live=len(in_flight), turn=max((trajectories[i].num_turns for i in in_flight.values()), default=0)
-            )
+        if pooled is None and not getattr(engine, "concurrent", False):
+            generation_seconds = _run_in_turns(engine, sampling, episode, len(jobs), limit, progress)
+        else:
+            generation_seconds = _run_in_threads(engine, sampling, episode, len(jobs), limit, progress)
     finally:
         progress.close()
-        executor.shutdown()
-    timings["env"] = time.perf_counter() - started - timings["generation"]
-    return trajectories, timings
+    wall = time.perf_counter() - started
+    return trajectories, {"generation": generation_seconds, "env": wall - generation_seconds}
 
 
-class _Inline:
-    """Runs each call when it is submitted: in-process environments need no threads."""
+def _episode(env, tokenizer, trajectory: Trajectory, index: int, seed: int, budget: Budget, im_end: int):
+    """One episode's own loop, as a coroutine: it yields each request (prompt ids, new-token limit) and is sent the
+    generation; it returns once the episode has ended. Closed early, it hands its environment back."""
+    item = _begin(env, tokenizer, trajectory, index, seed, budget)
+    try:
+        while item is not None:
+            generation = yield item.trajectory.token_ids, _limit(item.trajectory, budget)
+            item = _advance(item, generation, tokenizer, budget, im_end)
+    except BaseException:
+        if item is not None:
+            item.episode.close()  # a pool worker, a server
+        raise
 
-    def submit(self, fn, *args) -> Future:
-        future = Future()
+
+def _run_in_turns(engine, sampling: SamplingParams, episode, count: int, limit: int, progress) -> float:
+    """Drive the episodes in this thread: one engine call per turn with every live episode's request, in job
+    order; an ended episode's place goes to the next job. Returns the seconds spent generating."""
+    waiting: dict[int, tuple] = {}  # index -> (its coroutine, its request)
+    queue, busy = deque(range(count)), 0.0
+
+    def admit():
+        while queue and len(waiting) < limit:
+            index = queue.popleft()
+            coroutine = episode(index)
+            try:
+                waiting[index] = (coroutine, next(coroutine))
+            except StopIteration:
+                progress.update(1)
+
+    try:
+        admit()
+        while waiting:
+            order = sorted(waiting)
+            began = time.perf_counter()
+            outputs = engine.generate([waiting[i][1][0] for i in order], [waiting[i][1][1] for i in order], sampling)
+            busy += time.perf_counter() - began
+            for index, output in zip(order, outputs):
+                coroutine = waiting[index][0]
+                try:
+                    waiting[index] = (coroutine, coroutine.send(output))
+                except StopIteration:
+                    del waiting[index]
+                    progress.update(1)
+            admit()
+    finally:
+        for coroutine, _ in waiting.values():
+            coroutine.close()
+    return busy
+
+
+def _run_in_threads(engine, sampling: SamplingParams, episode, count: int, limit: int, progress) -> float:
+    """Drive each episode in a thread of its own (at most `limit` at once). Returns the seconds during which a
+    generation was under way."""
+    if getattr(engine, "concurrent", False):
+        requests = _Direct(engine, sampling)
+    else:
+        requests = _Gatherer(engine, sampling, total=count)
+
+    def drive(index: int) -> None:
+        coroutine = episode(index)
         try:
-            future.set_result(fn(*args))
-        except BaseException as error:
-            future.set_exception(error)
-        return future
+            request = next(coroutine)
+            while True:
+                request = coroutine.send(requests.generate(index, *request))
+        except StopIteration:
+            pass
+        except BaseException:
+            requests.stop()
+            coroutine.close()
+            raise
+        finally:
+            requests.finished()
+            progress.update(1)
 
-    def shutdown(self) -> None:
+    with ThreadPoolExecutor(max_workers=limit, thread_name_prefix="episode") as executor:
+        futures = [executor.submit(drive, i) for i in range(count)]
+        requests.serve()
+    errors = [f.exception() for f in futures if f.exception() is not None]
+    first = next((e for e in errors if not isinstance(e, _Stopped)), errors[0] if errors else None)
+    if first is not None:
+        raise first
+    return requests.busy_seconds
+
+
+class _Stopped(RuntimeError):
+    """Another episode of the rollout failed: this one stops at its next request."""
+
+
+class _Direct:
+    """Each episode's request straight to a concurrent engine, keyed by the episode for sticky routing; tracks the
+    wall time during which at least one request was in flight."""
+
+    def __init__(self, engine, sampling: SamplingParams):
+        self.engine, self.sampling, self.stopped = engine, sampling, threading.Event()
+        self.lock, self.in_flight, self.since, self.busy_seconds = threading.Lock(), 0, 0.0, 0.0
+        self.key = f"{id(self):x}"
+
+    def generate(self, index: int, prompt: list[int], limit: int):
+        if self.stopped.is_set():
+            raise _Stopped("stopped: another episode of the rollout failed")
+        with self.lock:
+            if self.in_flight == 0:
+                self.since = time.perf_counter()
+            self.in_flight += 1
+        try:
+            (generation,) = self.engine.generate([prompt], [limit], self.sampling, keys=[f"{self.key}-{index}"])
+            return generation
+        finally:
+            with self.lock:
+                self.in_flight -= 1
+                if self.in_flight == 0:
+                    self.busy_seconds += time.perf_counter() - self.since
+
+    def serve(self) -> None:
+        """Nothing to run here: the engine serves the requests itself."""
+
+    def finished(self) -> None:
         pass
 
+    def stop(self) -> None:
+        self.stopped.set()
 
-def _limits(ready: list[_Live], budget: Budget) -> list[int]:
-    """New-token limit of each episode's next turn: what is left of its response and context budgets."""
-    limits = []
-    for item in ready:
-        t = item.trajectory
-        limit = min(budget.max_response_tokens - t.response_tokens, budget.max_context_tokens - len(t.token_ids))
-        if budget.per_turn_generation_cap is not None:
-            limit = min(limit, budget.per_turn_generation_cap)
-        limits.append(limit)
-    return limits
+
+class _Gatherer:
+    """Gathers the episodes' requests for an engine that generates a batch at a time (the local one): whatever is
+    pending when the engine is free makes a batch, run in the caller's thread (`serve`; torch keeps its thread
+    pool)."""
+
+    def __init__(self, engine, sampling: SamplingParams, total: int):
+        self.engine, self.sampling, self.remaining = engine, sampling, total
+        self.lock = threading.Lock()
+        self.work = threading.Condition(self.lock)  # `serve` waits here for requests
+        self.delivered = threading.Condition(self.lock)  # the episodes wait here for their results
+        self.pending: dict[int, tuple[list[int], int]] = {}
+        self.results: dict[int, object] = {}
+        self.stopped, self.busy_seconds = False, 0.0
+
+    def generate(self, index: int, prompt: list[int], limit: int):
+        with self.lock:
+            self.pending[index] = (prompt, limit)
+            self.work.notify()
+            while index not in self.results and not self.stopped:
+                self.delivered.wait()
+            if index not in self.results:
+                raise _Stopped("stopped: another episode of the rollout failed")
+            result = self.results.pop(index)
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
+    def serve(self) -> None:
+        """Run batches until every episode has ended (or one failed)."""
+        with self.lock:
+            while True:
+                while not self.pending and self.remaining > 0 and not self.stopped:
+                    self.work.wait()
+                if self.remaining == 0 or self.stopped:
+                    return
+                batch = sorted(self.pending.items())  # job order
+                self.pending.clear()
+                self.lock.release()
+                began = time.perf_counter()
+                try:
+                    prompts, limits = [p for _, (p, _) in batch], [n for _, (_, n) in batch]
+                    outputs = self.engine.generate(prompts, limits, self.sampling)
+                except BaseException as error:
+                    outputs = [error] * len(batch)
+                finally:
+                    self.lock.acquire()
+                self.busy_seconds += time.perf_counter() - began
+                self.results.update((i, output) for (i, _), output in zip(batch, outputs))
+                self.delivered.notify_all()
+
+    def finished(self) -> None:
+        with self.lock:
+            self.remaining -= 1
+            self.work.notify()
+
+    def stop(self) -> None:
+        with self.lock:
+            self.stopped = True
+            self.work.notify()
+            self.delivered.notify_all()
+
+
+def _limit(t: Trajectory, budget: Budget) -> int:
+    """New-token limit of the episode's next turn: what is left of its response and context budgets."""
+    limit = min(budget.max_response_tokens - t.response_tokens, budget.max_context_tokens - len(t.token_ids))
+    if budget.per_turn_generation_cap is not None:
+        limit = min(limit, budget.per_turn_generation_cap)
+    return limit
 
 
 def _begin(env: Environment, tokenizer, trajectory: Trajectory, index: int, seed: int, budget: Budget) -> _Live | None:

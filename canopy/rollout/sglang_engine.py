@@ -1,8 +1,11 @@
 """The SGLang engine: LocalEngine's contract served by SGLang HTTP servers (GPU, their own venv; sglang 0.5.x).
 
 Servers are launched with `python -m sglang.launch_server` from the SGLang venv's python, or attached by URL.
-Each prompt is one `/generate` request (token ids in, `return_logprob`), sent to the server with the fewest
-requests in flight. Returned logprobs: with SGLANG_RETURN_ORIGINAL_LOGPROB off (forced off for servers we launch),
+Each prompt is one `/generate` request (token ids in, `return_logprob`). Routing is sticky per episode: its first
+turn goes to the healthy server with the fewest requests in flight, and its later turns follow, so its growing
+prefix stays in that server's cache. A server that fails a request (connection error, 5xx) is ejected and
+re-admitted once its /health answers; retries go to another server. Returned logprobs: with
+SGLANG_RETURN_ORIGINAL_LOGPROB off (forced off for servers we launch),
 SGLang gives log softmax(logits / temperature) over the whole vocabulary, before top-k / top-p, as LocalEngine
 does and as the trainer scores (`token_logprobs` at the sampling temperature).
 
@@ -27,6 +30,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -41,6 +45,7 @@ from canopy.rollout.engine import EngineFault, Generation, SamplingParams
 
 GROUP_NAME = "canopy_weight_sync"
 WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.index.json")
+ROUTES_KEPT = 1 << 16  # sticky routes remembered (least recently used dropped first)
 TRANSIENT = (OSError, http.client.HTTPException, json.JSONDecodeError)  # connection refused / reset, timeouts, garbled
 
 
@@ -249,6 +254,7 @@ class _Server:
     process: subprocess.Popen | None = None
     log: Path | None = None
     outstanding: int = 0
+    ejected: bool = False  # failed a request: takes none until its health check answers again
 
 
 class SGLangEngine:
@@ -264,6 +270,7 @@ class SGLangEngine:
         rope_scaling: dict | None = None,
         seed: int = 0,
         retry_backoff_s: float = 1.0,
+        health_interval_s: float = 5.0,
         shard_bytes: int = 4 << 30,
         bucket_bytes: int = 1 << 30,
         init_group: Callable = init_custom_process_group,
@@ -283,6 +290,12 @@ class SGLangEngine:
         self.init_group, self.broadcast, self.group = init_group, broadcast, None
         self.lock = threading.Lock()
         self.servers: list[_Server] = []
+        self.routes: OrderedDict[str, _Server] = OrderedDict()  # episode key -> its server (sticky routing)
+        self.first_server: OrderedDict[str, _Server] = OrderedDict()  # episode key -> the server of its first turn
+        self.routing = Counter()  # turns, on_first_server, ejections, readmissions
+        self.watcher: threading.Thread | None = None
+        self.closing = False
+        self.health_interval_s = health_interval_s
         atexit.register(self.close)
         try:
             if settings.urls:
@@ -377,6 +390,7 @@ class SGLangEngine:
 
     def close(self) -> None:
         """Stop the servers this engine launched (their whole process groups)."""
+        self.closing = True
         self._stop_servers()
         if hasattr(self, "pool"):
             self.pool.shutdown(wait=False, cancel_futures=True)
@@ -395,12 +409,23 @@ class SGLangEngine:
 
     # ---- generation ----------------------------------------------------------------------------------------------
 
+    concurrent = True  # serves each episode's request as it comes (`run_episodes` sends them one by one)
+
     def generate(
-        self, prompts: list[list[int]], max_new_tokens: list[int], sampling: SamplingParams
+        self,
+        prompts: list[list[int]],
+        max_new_tokens: list[int],
+        sampling: SamplingParams,
+        keys: list[str | None] | None = None,
     ) -> list[Generation | EngineFault]:
-        """One concurrent request per prompt. A request that fails on every try comes back as an `EngineFault` in its
-        slot; a stale sample or a request the server rejects as invalid raises."""
-        futures = [self.pool.submit(self._generate_one, p, n, sampling) for p, n in zip(prompts, max_new_tokens)]
+        """One concurrent request per prompt; `keys` (one per prompt: its episode) make routing sticky. A request that
+        fails on every try comes back as an `EngineFault` in its slot; a stale sample or a request the server rejects
+        as invalid raises."""
+        keys = keys or [None] * len(prompts)
+        futures = [
+            self.pool.submit(self._generate_one, p, n, sampling, key)
+            for p, n, key in zip(prompts, max_new_tokens, keys)
+        ]
         return [future.result() for future in futures]
 
     def request_body(self, prompt: list[int], max_new_tokens: int, sampling: SamplingParams) -> dict:
@@ -419,7 +444,7 @@ class SGLangEngine:
         }
 
     def _generate_one(
-        self, prompt: list[int], max_new_tokens: int, sampling: SamplingParams
+        self, prompt: list[int], max_new_tokens: int, sampling: SamplingParams, key: str | None = None
     ) -> Generation | EngineFault:
         if max_new_tokens <= 0:
             return Generation([], [], "length", self.weight_version)
@@ -428,7 +453,7 @@ class SGLangEngine:
         for attempt in range(self.settings.max_retries + 1):
             if attempt:
                 time.sleep(self.retry_backoff_s * attempt)
-            server = self._acquire(avoid=failed)
+            server = self._acquire(avoid=failed, key=key)
             try:
                 return self.parse(_request(server.url + "/generate", body, self.settings.request_timeout_s))
             except _HTTPError as e:
@@ -438,8 +463,13 @@ class SGLangEngine:
                         "check the budget against the server's --context-length"
                     ) from None
                 failed, error = server, e
-            except (_Aborted, *TRANSIENT) as e:
+                if e.status >= 500:
+                    self._eject(server)
+            except _Aborted as e:  # the server chose to abort (a weight sync pauses it): not a sick server
                 failed, error = server, e
+            except TRANSIENT as e:
+                failed, error = server, e
+                self._eject(server)
             finally:
                 self._release(server)
         return EngineFault("engine_request_failed", f"{attempt + 1} tries, last on {failed.url}: {error!r}")
@@ -462,12 +492,54 @@ class SGLangEngine:
         ids, values = [int(t) for _, t, _ in logprobs], [float(lp) for lp, _, _ in logprobs]
         return Generation(ids, values, finish["type"], self.weight_version)
 
-    def _acquire(self, avoid: _Server | None) -> _Server:
-        """The server with the fewest requests in flight (another than `avoid` when there is one)."""
+    def _acquire(self, avoid: _Server | None, key: str | None = None) -> _Server:
+        """The episode's server (`key`), sticky from its first turn so that its prefix stays in that server's cache;
+        on a first turn, or when its server is ejected or just failed (`avoid`), the healthy server with the fewest
+        requests in flight, which the episode then keeps. Ejected servers take requests only when none is healthy."""
         with self.lock:
-            server = min([s for s in self.servers if s is not avoid] or self.servers, key=lambda s: s.outstanding)
+            healthy = [s for s in self.servers if not s.ejected and s is not avoid]
+            candidates = healthy or [s for s in self.servers if s is not avoid] or self.servers
+            server = self.routes.get(key)
+            if server not in candidates:
+                server = min(candidates, key=lambda s: s.outstanding)
+            if key is not None:
+                self.first_server.setdefault(key, server)
+                self.routes[key] = server
+                self.routes.move_to_end(key)
+                self.first_server.move_to_end(key)
+                while len(self.routes) > ROUTES_KEPT:
+                    self.first_server.pop(self.routes.popitem(last=False)[0], None)
+                self.routing["turns"] += 1
+                self.routing["on_first_server"] += server is self.first_server[key]
             server.outstanding += 1
             return server
+
+    def _eject(self, server: _Server) -> None:
+        """Take a failing server out of routing; the health watcher re-admits it once /health answers."""
+        with self.lock:
+            if server.ejected:
+                return
+            server.ejected = True
+            self.routing["ejections"] += 1
+            if self.watcher is None or not self.watcher.is_alive():
+                self.watcher = threading.Thread(target=self._watch_ejected, name="sglang-health", daemon=True)
+                self.watcher.start()
+
+    def _watch_ejected(self) -> None:
+        while not self.closing:
+            with self.lock:
+                ejected = [s for s in self.servers if s.ejected]
+            if not ejected:
+                return
+            time.sleep(self.health_interval_s)
+            for server in ejected:
+                try:
+                    _request(server.url + "/health", None, timeout=5)
+                except (_HTTPError, *TRANSIENT):
+                    continue
+                with self.lock:
+                    server.ejected = False
+                    self.routing["readmissions"] += 1
 
     def _release(self, server: _Server) -> None:
         with self.lock:

@@ -1,0 +1,156 @@
+"""Per-episode rollouts over several SGLang servers (fakes with long-tailed latencies): sticky routing, a server that
+dies mid-run ejected then re-admitted, no episode lost, quarantine counted; and the local engine's gathered batches
+reproducing the turn-synchronous ones."""
+
+import random
+import threading
+import time
+
+import pytest
+from fake_sglang import FakeSGLang
+from test_sglang_engine import engine_for
+
+from canopy.envs.base import StepResult, Task, Verdict
+from canopy.rollout.agent_loop import Budget, run_episodes
+from canopy.rollout.engine import SamplingParams
+from canopy.tools.tiny_model import build_byte_tokenizer
+
+BUDGET = Budget(max_turns=20, max_response_tokens=400, max_prompt_tokens=128, max_observation_tokens=16,
+                max_context_tokens=2048)  # fmt: skip
+
+
+class CountdownEpisode:
+    """Lasts `turns` turns whatever the agent says; each step takes `step_s`."""
+
+    def __init__(self, task: Task, step_s: float):
+        self.task, self.left, self.step_s = task, task.spec["turns"], step_s
+
+    def messages(self):
+        return [{"role": "user", "content": f"episode {self.task.task_id}"}]
+
+    def step(self, action_text):
+        time.sleep(self.step_s)
+        self.left -= 1
+        return StepResult("ok", done=self.left == 0)
+
+    def verdict(self):
+        return Verdict(1, 1)
+
+    def close(self):
+        pass
+
+
+class CountdownEnvironment:
+    name = "countdown"
+    max_concurrent_episodes = 64  # as a pool of workers: episodes run their steps in threads
+
+    def __init__(self, step_s: float = 0.0):
+        self.step_s = step_s
+
+    def start(self, task, seed):
+        return CountdownEpisode(task, self.step_s)
+
+
+def jobs(count: int, turns: int) -> list[tuple[Task, int]]:
+    return [(Task(f"e{i}", 1, "s", {"turns": turns}), 0) for i in range(count)]
+
+
+def episode_servers(servers: list[FakeSGLang], tokenizer) -> dict[str, set[int]]:
+    """Episode id (from its prompt) -> the servers that served its turns."""
+    seen: dict[str, set[int]] = {}
+    for number, server in enumerate(servers):
+        for body in server.bodies("/generate"):
+            episode = tokenizer.decode(body["input_ids"]).split("episode ")[1].split("<")[0]
+            seen.setdefault(episode, set()).add(number)
+    return seen
+
+
+@pytest.fixture
+def servers():
+    made = []
+    rng = random.Random(0)
+    for _ in range(3):  # long-tailed per-request latencies
+        made.append(FakeSGLang(delay=lambda body: min(0.2, rng.lognormvariate(-5.0, 1.0))))
+    yield made
+    for server in made:
+        server.stop()
+
+
+def test_every_turn_of_an_episode_goes_to_one_server(tiny_path, tokenizer, tmp_path, servers):
+    tokenizer = build_byte_tokenizer()  # the prompt names its episode exactly
+    engine = engine_for(tiny_path, tmp_path, servers, concurrency=64)
+    trajectories, _ = run_episodes(engine, CountdownEnvironment(), tokenizer, jobs(24, 5), BUDGET, SamplingParams())
+    assert all(t.verdict == Verdict(1, 1) and t.num_turns == 5 for t in trajectories)
+    assert all(len(numbers) == 1 for numbers in episode_servers(servers, tokenizer).values())
+    assert engine.routing["turns"] == 24 * 5 and engine.routing["on_first_server"] == 24 * 5
+    load = [len(s.bodies("/generate")) for s in servers]
+    assert min(load) > 0  # first turns spread over the servers (least loaded)
+
+
+def test_a_dying_server_is_ejected_then_readmitted_and_no_episode_is_lost(tiny_path, tokenizer, tmp_path, servers):
+    engine = engine_for(tiny_path, tmp_path, servers, concurrency=64, max_retries=2)
+    engine.health_interval_s = 0.05
+    victim = servers[0]
+    port = int(victim.url.rsplit(":", 1)[1])
+
+    def kill_then_revive():
+        while len(victim.bodies("/generate")) < 10:
+            time.sleep(0.005)
+        victim.stop()
+        while engine.routing["ejections"] == 0:
+            time.sleep(0.005)
+        servers[0] = FakeSGLang(port=port)  # the same server back
+
+    saboteur = threading.Thread(target=kill_then_revive)
+    saboteur.start()
+    env = CountdownEnvironment(step_s=0.01)
+    trajectories, _ = run_episodes(engine, env, tokenizer, jobs(24, 8), BUDGET, SamplingParams())
+    saboteur.join()
+    assert len(trajectories) == 24 and all(t.verdict == Verdict(1, 1) for t in trajectories)  # none lost
+    assert engine.routing["ejections"] == 1
+    deadline = time.monotonic() + 5
+    while engine.routing["readmissions"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert engine.routing["readmissions"] == 1 and not any(s.ejected for s in engine.servers)
+    moved = engine.routing["turns"] - engine.routing["on_first_server"]
+    assert moved > 0  # the dead server's episodes moved (and stayed) elsewhere
+    engine.close()
+
+
+def test_requests_failing_everywhere_quarantine_their_episodes_and_are_counted(tiny_path, tokenizer, tmp_path):
+    server = FakeSGLang()
+    engine = engine_for(tiny_path, tmp_path, [server], max_retries=1)
+    server.stop()
+    trajectories, _ = run_episodes(engine, CountdownEnvironment(), tokenizer, jobs(3, 2), BUDGET, SamplingParams())
+    assert [t.quarantine for t in trajectories] == ["engine_request_failed"] * 3
+    assert engine.routing["ejections"] == 1
+    engine.close()
+
+
+class RecordingEngine:
+    """A batch-at-a-time engine (as the local one) that records which episodes each call served."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.weight_version, self.batches = tokenizer, 0, []
+        self.reply = tokenizer.encode("go", add_special_tokens=False) + [tokenizer.convert_tokens_to_ids("<|im_end|>")]
+
+    def generate(self, prompts, max_new_tokens, sampling):
+        self.batches.append([self.tokenizer.decode(p).split("episode ")[1].split("<")[0] for p in prompts])
+        from canopy.rollout.engine import Generation
+
+        return [Generation(list(self.reply), [-0.1] * len(self.reply), "stop", 0) for _ in prompts]
+
+
+def test_an_in_process_environment_gathers_every_live_episode_per_batch_in_job_order():
+    """The turn-synchronous batches of the old loop, hence the same samples for a seeded local engine."""
+    tokenizer = build_byte_tokenizer()
+    engine = RecordingEngine(tokenizer)
+    env = CountdownEnvironment()
+    env.max_concurrent_episodes = None  # in-process
+    work = [(Task(f"e{i}", 1, "s", {"turns": turns}), 0) for i, turns in enumerate([3, 1, 2, 3])]
+    trajectories, _ = run_episodes(engine, env, tokenizer, work, BUDGET, SamplingParams())
+    assert engine.batches == [["e0", "e1", "e2", "e3"], ["e0", "e2", "e3"], ["e0", "e3"]]
+    assert [t.num_turns for t in trajectories] == [3, 1, 2, 3]
+    engine.batches.clear()  # at most 2 at once: a finished episode's place goes to the next job
+    trajectories, _ = run_episodes(engine, env, tokenizer, work, BUDGET, SamplingParams(), concurrency=2)
+    assert engine.batches == [["e0", "e1"], ["e0", "e2"], ["e0", "e2"], ["e3"], ["e3"], ["e3"]]
