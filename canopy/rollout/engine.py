@@ -65,6 +65,9 @@ class Engine(Protocol):
 
     weight_version: int  # the version of the weights it samples from; every sample carries it
     dtype: str  # the dtype it computes in ("float32", "bfloat16", ...): the audit's gap bounds depend on it
+    # optional `concurrent = True`: it serves requests as they come (SGLang); the agent loop then sends each
+    # episode's requests one by one, from the episode's thread, with `keys=[episode key]` for sticky routing.
+    # Without it the engine generates a batch at a time and the loop gathers the requests (`run_episodes`).
 
     def generate(
         self, prompts: list[list[int]], max_new_tokens: list[int], sampling: SamplingParams
