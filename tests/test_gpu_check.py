@@ -10,17 +10,22 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.slow
-def test_gpu_check_cpu_dry_run_passes():
+def dry_run(script: str, *args: str, timeout: int = 900) -> list[str]:
+    """`python scripts/<script> --cpu-dry-run ARGS`, which must pass; returns its output lines."""
     run = subprocess.run(
-        [sys.executable, "scripts/gpu_check_parallel.py", "--cpu-dry-run", "--steps", "3"],
+        [sys.executable, f"scripts/{script}", "--cpu-dry-run", *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=900,
+        timeout=timeout,
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    lines = run.stdout.strip().splitlines()
+    return run.stdout.strip().splitlines()
+
+
+@pytest.mark.slow
+def test_gpu_check_cpu_dry_run_passes():
+    lines = dry_run("gpu_check_parallel.py", "--steps", "3")
     assert lines[-1] == "gpu_check_parallel: PASS"
     speeds = [line for line in lines if line.strip().startswith("step time")]
     assert len(speeds) == 2  # (a) one rank and (b) the sharded run
@@ -35,31 +40,15 @@ def test_gpu_check_cpu_dry_run_passes():
 def test_qwen3_5_gpu_check_cpu_dry_run_passes():
     """The Qwen3.5 GPU check's code path on CPU: our kernels against transformers' (fla's need a GPU), fp32 and
     bf16, forward and backward, then a policy step."""
-    run = subprocess.run(
-        [sys.executable, "scripts/gpu_check_qwen3_5.py", "--cpu-dry-run"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    lines = run.stdout.strip().splitlines()
+    lines = dry_run("gpu_check_qwen3_5.py", timeout=600)
     assert lines[-1] == "gpu_check_qwen3_5: PASS"
     assert sum("max relative difference" in line for line in lines) == 14  # 6 tensors + conv, two dtypes
-    assert re.search(r"policy step: step time [\d.]+ s, [\d,]+ tokens/s, MFU n/a", run.stdout)
+    assert re.search(r"policy step: step time [\d.]+ s, [\d,]+ tokens/s, MFU n/a", "\n".join(lines))
 
 
 @pytest.mark.slow
 def test_gpu_check_for_qwen3_5_cpu_dry_run_passes():
     """`--family qwen3_5`: a random Qwen3.5 through the real update on one rank, then FSDP on 2 gloo processes."""
-    run = subprocess.run(
-        [sys.executable, "scripts/gpu_check_parallel.py", "--family", "qwen3_5", "--cpu-dry-run", "--steps", "3"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    lines = run.stdout.strip().splitlines()
+    lines = dry_run("gpu_check_parallel.py", "--family", "qwen3_5", "--steps", "3")
     assert lines[-1] == "gpu_check_parallel: PASS"
     assert "(b) dp_shard=2 x tp=1 x cp=1 against one rank" in lines and "  matches one rank" in lines

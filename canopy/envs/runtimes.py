@@ -69,9 +69,10 @@ class RuntimeSettings:
     workdir: str = "/testbed"
     max_output_bytes: int = 1_000_000  # per command; the head and tail halves are kept past it
 
-    def validate(self, prefix: str = "env.swebench.runtime") -> None:
+    def validate(self) -> None:
         from canopy.config import require
 
+        prefix = "env.swebench.runtime"
         require(
             self.kind in ("auto", "bwrap", "docker", "podman"),
             f"{prefix}.kind={self.kind!r} is unknown: use auto, bwrap, docker or podman",
@@ -115,14 +116,16 @@ class Cgroup:
     """One sandbox's cgroup (v1: memory, pids and cpu hierarchies; v2: the unified one), under `canopy/`."""
 
     def __init__(self, name: str, settings: RuntimeSettings):
-        self.paths = [CGROUP_ROOT / c / "canopy" / name for c in CGROUP_V1_CONTROLLERS] if _cgroup_v1() else []
-        if not self.paths:
+        v1 = _cgroup_v1()
+        if v1:
+            self.paths = [CGROUP_ROOT / c / "canopy" / name for c in CGROUP_V1_CONTROLLERS]
+        else:
             _enable_v2_controllers()
             self.paths = [CGROUP_ROOT / "canopy" / name]
         for path in self.paths:
             path.mkdir(parents=True, exist_ok=True)
         memory, period = settings.memory_mb << 20, 100_000
-        if _cgroup_v1():
+        if v1:
             memory_dir, pids_dir, cpu_dir = self.paths
             (memory_dir / "memory.limit_in_bytes").write_text(str(memory))
             swap = memory_dir / "memory.memsw.limit_in_bytes"
@@ -170,6 +173,21 @@ def cgroups_usable() -> bool:
         return False
 
 
+def _members(path: Path) -> list[int]:
+    """The pids in a cgroup (none once it is gone)."""
+    procs = path / "cgroup.procs"
+    return [int(pid) for pid in procs.read_text().split()] if procs.exists() else []
+
+
+def _sigkill(pids) -> None:
+    """SIGKILL each pid; one already gone, or not this process's to signal, is skipped."""
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
 def _remove_cgroup(path: Path) -> None:
     """Kill everything in the cgroup (and below), then remove it."""
     if not path.is_dir():
@@ -178,12 +196,8 @@ def _remove_cgroup(path: Path) -> None:
         _remove_cgroup(child)
     deadline = time.monotonic() + 10
     while True:
-        pids = [int(p) for p in (path / "cgroup.procs").read_text().split()] if (path / "cgroup.procs").exists() else []
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        pids = _members(path)
+        _sigkill(pids)
         try:
             path.rmdir()
             return
@@ -388,12 +402,7 @@ class BwrapSandbox:
             pass
         process.wait()
         if self.cgroup is not None:  # anything that escaped the process group (it cannot escape the cgroup)
-            for path in self.cgroup.paths[:1]:
-                for pid in (path / "cgroup.procs").read_text().split():
-                    try:
-                        os.kill(int(pid), signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
+            _sigkill(_members(self.cgroup.paths[0]))
 
     def close(self) -> None:
         if self.cgroup is not None:
@@ -495,11 +504,7 @@ class ContainerSandbox:
         return [int(pid) for pid in listing.stdout.split()[1:] if pid.isdigit()]
 
     def _kill_leftovers(self) -> None:
-        for pid in set(self._host_pids()) - self.keep:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
+        _sigkill(set(self._host_pids()) - self.keep)
 
     def run(self, command: str, timeout: float, stdin: bytes | None = None, env: dict | None = None) -> CommandResult:
         exec_args = [*self.runtime.prefix, "exec", "-i", "-w", self.runtime.settings.workdir]

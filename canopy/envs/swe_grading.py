@@ -80,6 +80,8 @@ class Grade:
 
 
 def test_spec(instance: dict):
+    """swebench's `TestSpec` of an instance, as its `harness.utils.make_test_spec` builds it (that module imports
+    datasets, so it is not imported here)."""
     sb = swebench()
     script = instance["eval_script"]
     lines = [line for line in script.strip().split("\n") if line not in ("#!/bin/bash", "set -uxo pipefail")]

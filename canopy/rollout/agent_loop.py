@@ -74,8 +74,8 @@ class Trajectory:
 class _Live:
     """An episode in progress: its environment handle and growing trajectory."""
 
-    def __init__(self, index: int, episode: Episode, trajectory: Trajectory):
-        self.index, self.episode, self.trajectory = index, episode, trajectory
+    def __init__(self, episode: Episode, trajectory: Trajectory):
+        self.episode, self.trajectory = episode, trajectory
 
 
 class ChatTokenizer:
@@ -155,7 +155,7 @@ def run_episodes(
     progress = tqdm(total=len(jobs), desc=description, unit="ep", leave=False, dynamic_ncols=True)
 
     def episode(index: int):
-        return _episode(env, tokenizer, trajectories[index], index, seed + index, budget, im_end)
+        return _episode(env, tokenizer, trajectories[index], seed + index, budget, im_end)
 
     try:
         if pooled is None and not getattr(engine, "concurrent", False):
@@ -168,10 +168,10 @@ def run_episodes(
     return trajectories, {"generation": generation_seconds, "env": wall - generation_seconds}
 
 
-def _episode(env, tokenizer, trajectory: Trajectory, index: int, seed: int, budget: Budget, im_end: int):
+def _episode(env, tokenizer, trajectory: Trajectory, seed: int, budget: Budget, im_end: int):
     """One episode's own loop, as a coroutine: it yields each request (prompt ids, new-token limit) and is sent the
     generation; it returns once the episode has ended. Closed early, it hands its environment back."""
-    item = _begin(env, tokenizer, trajectory, index, seed, budget)
+    item = _begin(env, tokenizer, trajectory, seed, budget)
     try:
         while item is not None:
             generation = yield item.trajectory.token_ids, _limit(item.trajectory, budget)
@@ -361,7 +361,7 @@ def _limit(t: Trajectory, budget: Budget) -> int:
     return limit
 
 
-def _begin(env: Environment, tokenizer, trajectory: Trajectory, index: int, seed: int, budget: Budget) -> _Live | None:
+def _begin(env: Environment, tokenizer, trajectory: Trajectory, seed: int, budget: Budget) -> _Live | None:
     """Start the episode and render its prompt; None if the serving layer failed to start it (quarantined)."""
     try:
         episode = env.start(trajectory.task, seed=seed)
@@ -378,7 +378,7 @@ def _begin(env: Environment, tokenizer, trajectory: Trajectory, index: int, seed
     trajectory.token_ids, trajectory.action_mask = list(prompt), [0] * len(prompt)
     trajectory.engine_logprobs, trajectory.prompt_length = [0.0] * len(prompt), len(prompt)
     trajectory.token_versions = [-1] * len(prompt)
-    return _Live(index, episode, trajectory)
+    return _Live(episode, trajectory)
 
 
 def _advance(item: _Live, generation, tokenizer, budget: Budget, im_end: int) -> _Live | None:

@@ -45,7 +45,7 @@ from canopy.rollout.engine import EngineFault, Generation, SamplingParams
 
 GROUP_NAME = "canopy_weight_sync"
 WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.index.json")
-ROUTES_KEPT = 1 << 16  # sticky routes remembered (least recently used dropped first)
+ROUTES_KEPT = 1 << 16  # sticky routes remembered
 TRANSIENT = (OSError, http.client.HTTPException, json.JSONDecodeError)  # connection refused / reset, timeouts, garbled
 
 
@@ -290,8 +290,8 @@ class SGLangEngine:
         self.init_group, self.broadcast, self.group = init_group, broadcast, None
         self.lock = threading.Lock()
         self.servers: list[_Server] = []
-        self.routes: OrderedDict[str, _Server] = OrderedDict()  # episode key -> its server (sticky routing)
-        self.first_server: OrderedDict[str, _Server] = OrderedDict()  # episode key -> the server of its first turn
+        # episode key -> (its server, the server of its first turn): sticky routing, least recently used dropped first
+        self.routes: OrderedDict[str, tuple[_Server, _Server]] = OrderedDict()
         self.routing = Counter()  # turns, on_first_server, ejections, readmissions
         self.watcher: threading.Thread | None = None
         self.closing = False
@@ -499,18 +499,15 @@ class SGLangEngine:
         with self.lock:
             healthy = [s for s in self.servers if not s.ejected and s is not avoid]
             candidates = healthy or [s for s in self.servers if s is not avoid] or self.servers
-            server = self.routes.get(key)
+            server, first = self.routes.pop(key, (None, None))
             if server not in candidates:
                 server = min(candidates, key=lambda s: s.outstanding)
             if key is not None:
-                self.first_server.setdefault(key, server)
-                self.routes[key] = server
-                self.routes.move_to_end(key)
-                self.first_server.move_to_end(key)
+                self.routes[key] = (server, first or server)  # (re)inserted last: the most recently used
                 while len(self.routes) > ROUTES_KEPT:
-                    self.first_server.pop(self.routes.popitem(last=False)[0], None)
+                    self.routes.popitem(last=False)
                 self.routing["turns"] += 1
-                self.routing["on_first_server"] += server is self.first_server[key]
+                self.routing["on_first_server"] += server is (first or server)
             server.outstanding += 1
             return server
 
