@@ -20,6 +20,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[test]'
 	$(PY) -m pip install -q --no-deps $(SWE_PACKAGES)
+	$(PY) -m pip install -q ray==2.52.0
 	touch $(STAMP)
 
 # SWE-bench sandboxes (bubblewrap) and the generated tasks' tools (git, patch, python3-pytest on the host's /usr).

@@ -15,7 +15,7 @@ from canopy.envs.base import SystemicFaultError
 from canopy.mismatch import OffPolicyError
 from canopy.modules.canopy_module import silence_benign_warnings
 from canopy.modules.checkpoint import AtomicCheckpoint
-from canopy.modules.policy import save_hf_checkpoint
+from canopy.modules.policy import write_hf_checkpoint
 from canopy.tools.plots import training_plots
 from canopy.tools.summary import success_by_tier, write_summary
 
@@ -51,6 +51,7 @@ def main(cfg: DictConfig) -> None:
     trainer = L.Trainer(
         accelerator=cfg.trainer.accelerator,
         devices=cfg.trainer.devices,
+        num_nodes=cfg.trainer.num_nodes,
         strategy=strategy,
         precision=cfg.trainer.precision,
         max_steps=cfg.trainer.max_steps * updates,
@@ -73,10 +74,12 @@ def main(cfg: DictConfig) -> None:
         kind = {SystemicFaultError: "environment error", OffPolicyError: "off-policy"}.get(type(error), "config error")
         sys.exit(f"{kind}: {error}" if trainer.is_global_zero else 1)
 
-    final_weights = module.export_hf_state_dict()  # a collective when sharded: every rank takes part
+    final_weights = module.iter_hf_weights()  # a collective when sharded: every rank walks it, rank 0 writes it
     if not trainer.is_global_zero:
+        for _ in final_weights:
+            pass
         return
-    final_dir = save_hf_checkpoint(final_weights, datamodule.tokenizer, model_path, run_dir / "final_hf")
+    final_dir = write_hf_checkpoint(final_weights, model_path, run_dir / "final_hf")
     plots = training_plots(logger.log_dir, run_dir, cfg.algorithm.group_size)
     if base is not None:
         final = success_by_tier(datamodule, samples, "evaluating final policy")

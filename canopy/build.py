@@ -1,5 +1,6 @@
 """Builds the run's parts from a validated config: tokenizer, environment, engine, budget, data and module."""
 
+import fcntl
 from dataclasses import fields
 from pathlib import Path
 
@@ -27,17 +28,25 @@ def ensure_model(cfg: DictConfig) -> str:
         return str(cfg.model.path)
     tiny = OmegaConf.to_container(cfg.model.tiny, resolve=True)
     path = Path(tiny.pop("dir"))
-    if not (path / "config.json").is_file():
-        build_tiny_checkpoint(path, seed=cfg.seed, **tiny)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.parent / f".{path.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # the processes of one run (torchrun starts them all at once) build it once
+        if not (path / "config.json").is_file():
+            build_tiny_checkpoint(path, seed=cfg.seed, **tiny)
     return str(path)
 
 
 def build_env(cfg: DictConfig, log_dir: str | Path | None = None):
     """The environment `canopy.envs.<env.name>` (its keys checked), in-process, or behind a pool of isolated worker
     processes when `env.pool.workers > 0` (keeping the logs of faulted workers and servers in `log_dir`, e.g. the
-    run's `env_logs/`)."""
+    run's `env_logs/`); behind such a pool on each node of a Ray cluster when `env.ray.address` is set."""
     kwargs = environment_kwargs(cfg.env)
     factory = environment_factory(cfg.env.name)
+    if cfg.env.ray.address is not None:
+        from canopy.envs.ray_pool import RayEnvironment  # imports ray only when it joins the cluster
+
+        settings = PoolSettings(**OmegaConf.to_container(cfg.env.pool))
+        return RayEnvironment(factory, kwargs, settings, log_dir=log_dir, **OmegaConf.to_container(cfg.env.ray))
     if cfg.env.pool.workers:
         return EnvironmentPool(factory, kwargs, PoolSettings(**OmegaConf.to_container(cfg.env.pool)), log_dir=log_dir)
     return build_environment(factory, kwargs)
@@ -116,6 +125,7 @@ def build_datamodule(
         hardest_tier=cfg.data.hardest_tier,
         quarantine_as_failure=cfg.algorithm.quarantine_as_failure,
         max_quarantine_fraction=cfg.env.max_quarantine_fraction,
+        rollout_timeout_s=cfg.trainer.rollout_timeout_s,
         seed=cfg.seed,
     )
 
@@ -158,18 +168,14 @@ def build_rollout_correction(cfg: DictConfig) -> RolloutCorrection:
 
 
 def build_strategy(cfg: DictConfig):
-    """One process: Lightning's default. Several: `ModelParallelStrategy`, its mesh sized from `parallelism.*`."""
+    """One process: Lightning's default. Several (on one node or `trainer.num_nodes`): `ModelParallelStrategy`, its
+    mesh sized from `parallelism.*` (`validate` checked that it covers devices x nodes)."""
     p = cfg.parallelism
-    world = p.dp_shard * p.tp * p.cp
-    if world == 1 and cfg.trainer.devices == 1:
+    world = p.dp_replicate * p.dp_shard * p.tp * p.cp
+    if world == 1:
         return "auto"
-    if world != cfg.trainer.devices:
-        raise ConfigError(
-            f"parallelism.dp_shard={p.dp_shard} x tp={p.tp} x cp={p.cp} = {world} must equal trainer.devices="
-            f"{cfg.trainer.devices}: e.g. `trainer.devices=2 parallelism.dp_shard=2`"
-        )
     from lightning.pytorch.strategies import ModelParallelStrategy
 
     # Lightning's 2-D mesh only has to cover the processes (dp x tp = world); the policy's own meshes are
     # TorchTitan's (canopy.modules.parallel), where CP ranks share their shard's rows and FSDP spans dp_shard x cp
-    return ModelParallelStrategy(data_parallel_size=p.dp_shard * p.cp, tensor_parallel_size=p.tp)
+    return ModelParallelStrategy(data_parallel_size=p.dp_replicate * p.dp_shard * p.cp, tensor_parallel_size=p.tp)

@@ -91,8 +91,13 @@ def validate(cfg: DictConfig) -> None:
     )
 
     p = cfg.parallelism
-    for key in ("dp_shard", "tp", "cp"):
+    for key in ("dp_replicate", "dp_shard", "tp", "cp"):
         require(is_int(p[key]) and p[key] >= 1, f"parallelism.{key}={p[key]} must be a positive integer")
+    require(
+        is_int(t.rollout_timeout_s) and t.rollout_timeout_s > 0,
+        f"trainer.rollout_timeout_s={t.rollout_timeout_s} must be a positive integer: how long the other ranks wait "
+        "for rank 0's rollout step or evaluation",
+    )
     require(p.cp == 1 or t.accelerator != "cpu", CP_NEEDS_GPU)
     require(p.cp == 1 or a.loss_aggregation == "token-mean", CP_SEQ_MEAN)
     require(
@@ -102,6 +107,20 @@ def validate(cfg: DictConfig) -> None:
     require(
         p.activation_checkpointing in ("none", "full", "selective"),
         f"parallelism.activation_checkpointing={p.activation_checkpointing!r} is unknown: use none, full or selective",
+    )
+    for key in ("devices", "num_nodes"):
+        require(is_int(t[key]) and t[key] >= 1, f"trainer.{key}={t[key]} must be a positive integer")
+    world = p.dp_replicate * p.dp_shard * p.tp * p.cp
+    require(
+        world == t.devices * t.num_nodes,
+        f"parallelism.dp_replicate={p.dp_replicate} x dp_shard={p.dp_shard} x tp={p.tp} x cp={p.cp} = {world} must "
+        f"equal trainer.devices={t.devices} x trainer.num_nodes={t.num_nodes}: e.g. `trainer.devices=2 "
+        "parallelism.dp_shard=2`, or across nodes `parallelism.dp_replicate=<nodes> parallelism.dp_shard=<devices>`",
+    )
+    require(
+        p.tp * p.cp <= t.devices and t.devices % (p.tp * p.cp) == 0,
+        f"parallelism.tp={p.tp} x cp={p.cp} must divide trainer.devices={t.devices}: tensor and context parallel "
+        "groups stay inside one node (NVLink); span nodes with dp_shard or dp_replicate",
     )
     resume = cfg.checkpoint.resume
     require(
@@ -159,7 +178,7 @@ def validate(cfg: DictConfig) -> None:
         )
     environment_kwargs(cfg.env)
     if cfg.engine.name == "sglang":
-        SGLangSettings(**cfg.engine.sglang).validate(cfg.trainer.accelerator)
+        SGLangSettings(**cfg.engine.sglang).validate(cfg.trainer.accelerator, cfg.trainer.devices)
 
 
 def validate_eval(cfg: DictConfig) -> None:

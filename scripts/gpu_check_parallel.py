@@ -116,8 +116,10 @@ def run_worker(args) -> None:
     import lightning as L
     from lightning.pytorch.strategies import ModelParallelStrategy
 
+    from canopy.datamodules.rollout import split_rows
     from canopy.modules.canopy_module import CanopyModule
-    from canopy.modules.parallel import ParallelSettings
+    from canopy.modules.parallel import ParallelSettings, data_parallel_rank
+    from canopy.modules.policy import export_hf_state_dict
     from canopy.rollout.engine import EngineHandle
 
     shape = CPU_MODEL if args.cpu_dry_run else GPU_MODEL
@@ -133,10 +135,15 @@ def run_worker(args) -> None:
     engine = EngineHandle(WalkWeights())
 
     class SyntheticRollouts(L.LightningDataModule):
-        """Stands in for RolloutDataModule: a fresh batch at the weight version the engine holds."""
+        """Stands in for RolloutDataModule: a fresh batch at the weight version the engine holds, each data-parallel
+        shard given its own rows (as `RolloutStream` deals them)."""
 
         def train_dataloader(self):
-            return (synthetic_batch(shape, step, engine.version) for step in range(args.steps))
+            return (self.rows(synthetic_batch(shape, step, engine.version)) for step in range(args.steps))
+
+        def rows(self, batch):
+            dp_rank, dp_size = data_parallel_rank(module.parallel_dims)
+            return split_rows(batch, dp_size)[dp_rank]
 
     class Record(L.Callback):
         def __init__(self):
@@ -173,7 +180,10 @@ def run_worker(args) -> None:
     )
     trainer.fit(module, datamodule=SyntheticRollouts())
     _, flops_per_token = module.policy.config.get_nparams_and_flops(module.policy, shape["seq_len"])
+    # weight sync / export gather into rank 0 only (dist.gather over NCCL); all-gathered on every rank for reference
+    on_rank0, everywhere = dict(module.iter_hf_weights()), export_hf_state_dict(module.policy, module.adapter)
     if trainer.is_global_zero:
+        gather_diff = max((on_rank0[k].float() - v.float()).abs().max().item() for k, v in everywhere.items())
         Path(args.out).write_text(
             json.dumps(
                 {
@@ -182,6 +192,7 @@ def run_worker(args) -> None:
                     "tokens_per_step": shape["rows"] * shape["seq_len"],
                     "flops_per_token": flops_per_token,
                     "world": world,
+                    "gather_diff": gather_diff,
                 }
             )
         )
@@ -291,6 +302,8 @@ def main() -> None:
                 bad = compare(single, sharded, 1e-5 if args.cpu_dry_run else 2e-2)
                 print("  matches one rank" if not bad else "  differs: " + "; ".join(bad[:4]))
                 failures += ["sharded metrics differ from one rank"] if bad else []
+                print(f"  weights gathered into rank 0 vs all-gathered: max diff {sharded['gather_diff']}")
+                failures += ["weights gathered into rank 0 differ"] if sharded["gather_diff"] != 0 else []
     print("gpu_check_parallel: PASS" if not failures else f"gpu_check_parallel: FAIL ({'; '.join(failures)})")
     sys.exit(1 if failures else 0)
 

@@ -13,8 +13,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from canopy.modules.logprobs import token_logprobs
-from canopy.modules.parallel import ParallelSettings, build_parallel_policy, data_parallel_rank
-from canopy.modules.policy import load_policy, unwrap
+from canopy.modules.parallel import ParallelSettings, build_parallel_policy, data_parallel_rank, gather_on_rank0
+from canopy.modules.policy import export_hf_state_dict, iter_hf_weights, load_policy, unwrap
 from canopy.objective import canopy_loss
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -67,16 +67,19 @@ def loss_and_grads(model, ids, targets, mask, advantages, ref, rows, n_tokens):
 
 
 def main(rank: int, world: int, port: int, path: str, dp: int, tp: int, out: str) -> None:
+    """`dp` data-parallel shards, as FSDP (`dp_shard=dp`), or as HSDP when `world` has room for replicas:
+    `dp_replicate = world // (dp x tp)` replicas of a `dp`-way sharded model."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    single, _ = load_policy(path)
+    single, single_adapter = load_policy(path)
     ids, targets, mask, advantages = batch(single.config.vocab_size)
     with torch.no_grad():
         ref = token_logprobs(single(ids), targets, 0.7)[0] - 0.05
     full_loss, _, _ = loss_and_grads(single, ids, targets, mask, advantages, ref, slice(None), mask.sum())
     expected = {name: p.grad for name, p in single.named_parameters()}
 
-    model, _, dims = build_parallel_policy(path, ParallelSettings(dp_shard=dp, tp=tp), world, torch.device("cpu"))
+    settings = ParallelSettings(dp_replicate=world // (dp * tp), dp_shard=dp, tp=tp)
+    model, adapter, dims = build_parallel_policy(path, settings, world, torch.device("cpu"))
     dp_rank, dp_size = data_parallel_rank(dims)
     rows = torch.arange(4)[dp_rank::dp_size]
     loss, local_vocab, gathered = loss_and_grads(model, ids, targets, mask, advantages, ref, rows, mask.sum())
@@ -87,6 +90,9 @@ def main(rank: int, world: int, port: int, path: str, dp: int, tp: int, out: str
         ((unwrap(p.grad) - expected[name]).abs().max() / expected[name].abs().max().clamp_min(1e-12)).item()
         for name, p in model.named_parameters()
     )
+    with mock.patch.object(DTensor, "full_tensor", autospec=True, side_effect=DTensor.full_tensor) as full_tensor:
+        exported = dict(iter_hf_weights(model, adapter, gather_on_rank0))
+    expected_export = export_hf_state_dict(single, single_adapter)
     weight_diff = max(
         (unwrap(p.detach()) - dict(single.named_parameters())[name]).abs().max().item()
         for name, p in model.named_parameters()
@@ -101,6 +107,12 @@ def main(rank: int, world: int, port: int, path: str, dp: int, tp: int, out: str
                 "vocab": single.config.vocab_size,
                 "local_vocab": local_vocab,
                 "full_tensor_calls": gathered,
+                "export_diff": max((exported[k] - v).abs().max().item() for k, v in expected_export.items())
+                if rank == 0
+                else None,
+                "export_on_meta": all(t.is_meta for t in exported.values())
+                and exported.keys() == expected_export.keys(),
+                "export_full_tensor_calls": full_tensor.call_count,
             },
             f,
         )

@@ -2,14 +2,17 @@
 (gradients relative to each tensor's largest entry); TP ranks compute the loss from vocabulary shards."""
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+from canopy.modules.policy import read_hf_weights
 from canopy.tools.tb_scalars import read_scalars
-from tests.parallel_worker import run_ranks
+from tests.parallel_worker import free_port, run_ranks
 from tests.test_datamodule import datamodule
 from tests.test_train import train
 
@@ -17,9 +20,12 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("dp,tp", [(2, 1), (1, 2), (2, 2)], ids=["fsdp2", "tp2", "fsdp2xtp2"])
-def test_sharded_policy_matches_single_process(tiny_path_even_vocab, tmp_path, dp, tp):
-    world = dp * tp
+@pytest.mark.parametrize(
+    "world,dp,tp", [(2, 2, 1), (2, 1, 2), (4, 2, 2), (4, 2, 1)], ids=["fsdp2", "tp2", "fsdp2xtp2", "hsdp2xfsdp2"]
+)
+def test_sharded_policy_matches_single_process(tiny_path_even_vocab, tmp_path, world, dp, tp):
+    """hsdp2xfsdp2: two replicas (`parallelism.dp_replicate=2`, as across two nodes) of a 2-way FSDP model, each
+    replica on its own rows: the gradients are summed over all four ranks."""
     run_ranks("tests.parallel_worker", world, tiny_path_even_vocab, dp, tp, tmp_path)
     for rank in range(world):
         result = json.loads((tmp_path / f"rank{rank}.json").read_text())
@@ -29,6 +35,10 @@ def test_sharded_policy_matches_single_process(tiny_path_even_vocab, tmp_path, d
         # loss parallel: a TP rank scores tokens from its own vocabulary shard, never the gathered logits
         assert result["local_vocab"] == result["vocab"] // tp
         assert result["full_tensor_calls"] == 0
+        # weight sync / export: the whole weights on rank 0 only (the others walk meta tensors), and gathered
+        # straight into rank 0 except FSDP x TP's strided shards, which are all-gathered
+        assert result["export_diff"] == 0.0 if rank == 0 else result["export_on_meta"]
+        assert (result["export_full_tensor_calls"] > 0) == (dp > 1 and tp > 1)
 
 
 @pytest.mark.slow
@@ -44,16 +54,67 @@ def test_train_py_on_two_processes_matches_one(tmp_path):
             for (_, a), (_, b) in zip(single[tag], sharded[tag], strict=True):
                 assert abs(a - b) <= 1e-5 * max(1.0, abs(a)), (name, tag, a, b)
         assert all(v < 1e-5 for _, v in sharded["mismatch/logprob_gap"])  # each rank measured against rank 0's samples
-        assert (run_dir / "final_hf" / "model.safetensors").is_file()
+        assert (run_dir / "final_hf" / "model.safetensors.index.json").is_file()
 
 
-def test_parallel_degrees_must_match_devices():
+@pytest.mark.slow
+def test_torchrun_on_two_nodes_reproduces_one_process(tmp_path):
+    """`torchrun --nnodes 2 --node-rank r ... train.py trainer.num_nodes=2 parallelism.dp_replicate=2`, both "nodes"
+    on this machine (gloo): HSDP's two replicas each train on their own rows and reproduce the one-process run step
+    for step; only rank 0 generates, and the final checkpoint is gathered into rank 0 alone."""
+    steps, common = 2, ["report.eval_samples_per_task=0", "checkpoint.every_n_steps=0"]
+    single_dir, _ = train(tmp_path, steps, *common, name="single")  # also builds the tiny model both nodes load
+    run_dir, port = tmp_path / "two_nodes", free_port()
+    argv = [
+        f"hydra.run.dir={run_dir}",
+        f"model.tiny.dir={tmp_path / 'tiny'}",
+        "model.tiny.format_warmup_steps=30",
+        f"trainer.max_steps={steps}",
+        "data.tasks_per_step=4",
+        "algorithm.group_size=4",
+        *common,
+        "trainer.num_nodes=2",
+        "parallelism.dp_replicate=2",
+    ]
+    nodes = [
+        subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1", f"--node-rank={r}"]
+            + ["--master-addr=127.0.0.1", f"--master-port={port}", "train.py", *argv],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in (0, 1)
+    ]
+    outputs = [node.communicate(timeout=900)[0] for node in nodes]
+    for node, output in zip(nodes, outputs):
+        assert node.returncode == 0, output[-3000:]
+    assert "GLOBAL_RANK: 1, MEMBER: 2/2" in outputs[1]  # one process group over both nodes
+    single, sharded = read_scalars(single_dir / "tensorboard"), read_scalars(run_dir / "tensorboard")
+    for tag in ("actor/loss", "actor/kl", "actor/entropy", "actor/grad_norm", "reward/success", "actor/action_tokens"):
+        for (_, a), (_, b) in zip(single[tag], sharded[tag], strict=True):
+            assert abs(a - b) <= 1e-5 * max(1.0, abs(a)), (tag, a, b)
+    final, reference = read_hf_weights(run_dir / "final_hf"), read_hf_weights(single_dir / "final_hf")
+    assert final.keys() == reference.keys()
+    for name, tensor in final.items():
+        assert torch.allclose(tensor, reference[name], atol=1e-5), name
+
+
+def test_parallel_degrees_must_match_devices_and_nodes():
     from canopy.build import build_strategy
-    from canopy.config import ConfigError
+    from canopy.config import ConfigError, validate
     from tests.test_config import config
 
-    with pytest.raises(ConfigError, match="trainer.devices"):
-        build_strategy(config("trainer.devices=2"))
+    with pytest.raises(ConfigError, match="trainer.devices=2 x trainer.num_nodes=1"):
+        validate(config("trainer.devices=2"))
+    with pytest.raises(ConfigError, match="must divide trainer.devices"):
+        validate(config("trainer.num_nodes=2", "parallelism.tp=2"))  # TP across nodes
+    validate(config("trainer.num_nodes=2", "parallelism.dp_replicate=2"))
+    hsdp = build_strategy(
+        config("trainer.num_nodes=2", "trainer.devices=2", "parallelism.dp_replicate=2", "parallelism.dp_shard=2")
+    )
+    assert (hsdp._data_parallel_size, hsdp._tensor_parallel_size) == (4, 1)
     assert build_strategy(config()) == "auto"
 
 
@@ -93,4 +154,4 @@ def test_qwen3_5_with_fsdp_on_two_processes_matches_one(tmp_path):
     for tag in ("actor/loss", "actor/kl", "actor/entropy", "actor/grad_norm", "reward/success"):
         for (_, a), (_, b) in zip(single[tag], sharded[tag], strict=True):
             assert abs(a - b) <= 1e-5 * max(1.0, abs(a)), (tag, a, b)
-    assert (run_dir / "final_hf" / "model.safetensors").is_file()
+    assert (run_dir / "final_hf" / "model.safetensors.index.json").is_file()

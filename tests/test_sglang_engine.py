@@ -30,6 +30,7 @@ from canopy.rollout.sglang_engine import (
     SGLangSettings,
     StaleSampleError,
     broadcast_from_trainer,
+    client_host,
     init_custom_process_group,
     launch_command,
     serving_dtype,
@@ -332,6 +333,51 @@ def test_engine_config_validation_and_build(tiny_path, tokenizer, tmp_path, fake
     assert config("engine.name=sglang").engine.sglang.python == "/opt/sglang/bin/python"
     engine = build_engine(config(*attach), str(tiny_path), tokenizer)
     assert isinstance(engine, SGLangEngine) and engine.servers[0].url == server.url and engine.stop_token_ids == [0, 2]
+
+
+def test_servers_and_trainer_never_share_gpus_and_remote_servers_reach_rank_0():
+    """Launched servers go on GPUs after the trainer's (design/scale.md defect 9); servers on other machines get a
+    non-loopback address for the weight-sync group and launched ones bind where they are told."""
+    gpu = ["engine.name=sglang", "engine.sglang.python=/x", "trainer.accelerator=gpu", "engine.sglang.num_servers=2"]
+    with pytest.raises(ConfigError, match=r"on GPUs 0-1, but the trainer uses GPU 0 .*base_gpu_id=1 "):
+        validate(config(*gpu))
+    with pytest.raises(ConfigError, match=r"on GPUs 2-5, but the trainer uses GPUs 0-3"):
+        validate(
+            config(
+                *gpu,
+                "engine.sglang.tp_size=2",
+                "engine.sglang.base_gpu_id=2",
+                "trainer.devices=4",
+                "parallelism.dp_shard=4",
+            )
+        )
+    validate(config(*gpu, "engine.sglang.base_gpu_id=4", "trainer.devices=4", "parallelism.dp_shard=4"))
+    for experiment in ("appworld_canopy", "swebench_canopy"):  # one 8-GPU node: trainer on 0-3, servers on 4-7
+        cfg = config(f"experiment={experiment}", "engine.sglang.python=/x")
+        SGLangSettings(**cfg.engine.sglang).validate(cfg.trainer.accelerator, cfg.trainer.devices)
+
+    remote = [
+        "engine.name=sglang",
+        "engine.sglang.urls=[http://10.1.2.3:30000]",
+        "engine.sglang.weight_sync=distributed",
+        "engine.sglang.sync_backend=gloo",
+    ]
+    with pytest.raises(ConfigError, match="sync_master_addr=127.0.0.1 is a loopback address, but the servers"):
+        validate(config(*remote))
+    validate(config(*remote, "engine.sglang.sync_master_addr=10.1.2.4"))
+    validate(
+        config(
+            "engine.name=sglang",
+            "engine.sglang.urls=[http://localhost:30000]",
+            "engine.sglang.weight_sync=distributed",
+            "engine.sglang.sync_backend=gloo",
+        )
+    )
+
+    settings = SGLangSettings(python="/x", host="0.0.0.0")
+    argv, _ = launch_command(settings, "/models/q", 0, None, None, seed=0)
+    assert argv[argv.index("--host") + 1] == "0.0.0.0" and client_host("0.0.0.0") == "127.0.0.1"
+    assert client_host("10.1.2.4") == "10.1.2.4"
 
 
 def budget_transfer(tmp_path, engine, tokenizer, every_n_steps=0):

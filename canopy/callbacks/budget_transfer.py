@@ -10,6 +10,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from canopy.build import build_budget, build_sampling
 from canopy.eval.runner import budget_label, evaluation, sample_runs, with_budget, write_results
+from canopy.modules.parallel import rank0_done, wait_for_rank0
 from canopy.tools.plots import plot_budget_transfer
 
 
@@ -44,15 +45,27 @@ class BudgetTransferEval(L.Callback):
         self.split, self.k, self.every_n_steps, self.at_end = split, k, every_n_steps, at_end
         self.last: tuple[int, list[dict]] = (-1, [])
         self.skipped: set[str] = set()  # roles whose evaluation this engine cannot serve now (said once)
+        self.evaluations = 0  # evaluations so far (every rank counts them alike)
 
     def evaluate(self, trainer, pl_module, final: bool = False) -> list[dict]:
         """Evaluate the current weights at every budget the engine serves (rank 0; with `final`, every budget)."""
-        relaunch = self._needs_relaunch(trainer) if final else None
+        relaunch, weights = (self._needs_relaunch(trainer) if final else None), None
         if relaunch is not None:  # the weights to push into the relaunched servers: a collective when sharded
             relaunch = trainer.strategy.broadcast(relaunch, src=0) if trainer.world_size > 1 else relaunch
             weights = dict(pl_module.iter_hf_weights()) if relaunch else None
-        if not trainer.is_global_zero:
+        self.evaluations += 1
+        done = f"canopy/eval/{self.evaluations}"
+        if not trainer.is_global_zero:  # wait outside any collective while rank 0 evaluates
+            wait_for_rank0(done, trainer.datamodule.rollout_timeout_s, "evaluation")
             return []
+        try:
+            return self._evaluate_on_rank0(trainer, pl_module, final, weights)
+        finally:
+            if trainer.world_size > 1:
+                rank0_done(done)
+
+    def _evaluate_on_rank0(self, trainer, pl_module, final: bool, weights: dict | None) -> list[dict]:
+        """Each budget's evaluation on the run's engine, or (`final`) on servers relaunched for it with `weights`."""
         dm = trainer.datamodule
         tasks = dm.env.tasks(self.split)
         results = []

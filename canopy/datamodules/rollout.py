@@ -13,9 +13,11 @@ from dataclasses import dataclass, field
 
 import lightning as L
 import torch
+import torch.distributed as dist
 
 from canopy.coverage import group_composition
 from canopy.envs.base import Environment, SystemicFaultError, Task
+from canopy.modules.parallel import data_parallel_rank, rank0_done, wait_for_rank0
 from canopy.objective import step_advantages
 from canopy.rollout.agent_loop import Budget, Trajectory, run_episodes
 from canopy.rollout.engine import EngineHandle, SamplingParams
@@ -217,21 +219,67 @@ class RolloutStream:
         return self.length
 
     def __next__(self) -> RolloutBatch:
-        """Rank 0 generates; with several processes the batch is broadcast so every rank sees the same one, and a
-        broken setup (`SystemicFaultError`) stops every rank, not only the one that saw it."""
-        trainer = self.datamodule.trainer
+        """One process: the step's batch. Several: global rank 0 generates while the others wait outside any
+        collective, on the process group's store, for up to `rollout_timeout_s` (a rollout step can outlast any
+        collective's timeout); then each rank receives only its data-parallel shard's rows. A failure of rank 0's
+        rollout (a broken setup, `SystemicFaultError`) reaches every rank, which stops with it."""
+        dm, trainer = self.datamodule, self.datamodule.trainer
         if trainer is None or trainer.world_size == 1:
-            return self.datamodule.next_batch()
-        batch = None
+            return dm.next_batch()
+        layout = dm.shard_layout
+        ready = f"canopy/rollout/{dm.batches_delivered}"
+        dm.batches_delivered += 1
+        shards, failure = None, None
         if trainer.is_global_zero:
             try:
-                batch = self.datamodule.next_batch()
-            except SystemicFaultError as error:
-                batch = error
-        batch = trainer.strategy.broadcast(batch, src=0)
-        if isinstance(batch, SystemicFaultError):
-            raise batch
-        return batch
+                shards = split_rows(dm.next_batch(), layout.dp_size, layout.min_rows)
+            except Exception as error:  # noqa: BLE001 (relayed to every rank, then raised here too)
+                failure, shards = error, [relayable(error)] * layout.dp_size
+            rank0_done(ready)
+        else:
+            wait_for_rank0(ready, dm.rollout_timeout_s, "rollout step")
+        received = [None]
+        to_ranks = [shards[shard] for shard in layout.shard_of_rank] if shards is not None else None
+        dist.scatter_object_list(received, to_ranks, src=0)
+        if failure is not None:
+            raise failure
+        if isinstance(received[0], Exception):
+            raise received[0]
+        return received[0]
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """Which data-parallel shard each global rank trains (its TP / CP ranks share the shard's rows)."""
+
+    shard_of_rank: list[int]
+    dp_size: int
+    min_rows: int  # rows each shard needs: one per update of the step
+
+
+def split_rows(batch: RolloutBatch, dp_size: int, min_rows: int = 1) -> list[RolloutBatch]:
+    """The batch's rows dealt round-robin to `dp_size` shards, each trimmed to its own longest row and carrying
+    the whole step's metrics and stats. Each shard divides by the batch-wide action-token count, so the summed
+    gradients are Eq. 8 exactly."""
+    if len(batch.lengths) < dp_size * min_rows:
+        raise SystemicFaultError(
+            f"{len(batch.lengths)} surviving episodes cannot feed {dp_size} data-parallel shards x {min_rows} "
+            "update(s): raise data.tasks_per_step or lower the data-parallel degree"
+        )
+    shards = [batch.select(torch.arange(len(batch.lengths))[shard::dp_size]) for shard in range(dp_size)]
+    for shard in shards:
+        shard.metrics, shard.stats = batch.metrics, batch.stats
+    return shards
+
+
+def relayable(error: Exception) -> Exception:
+    """`error` as the other ranks should raise it: the run's own stop reasons as they are, anything else named."""
+    from canopy.config import ConfigError
+    from canopy.mismatch import OffPolicyError
+
+    if isinstance(error, (SystemicFaultError, OffPolicyError, ConfigError)):
+        return error
+    return RuntimeError(f"rank 0's rollout step failed with {type(error).__name__}: {error}")
 
 
 class RolloutDataModule(L.LightningDataModule):
@@ -257,15 +305,18 @@ class RolloutDataModule(L.LightningDataModule):
         hardest_tier: int | None = None,
         quarantine_as_failure: bool = False,
         max_quarantine_fraction: float = 0.5,
+        rollout_timeout_s: float = 14400.0,
         seed: int = 0,
     ):
+        """`rollout_timeout_s`: how long the other ranks of a sharded run wait for rank 0's rollout step."""
         super().__init__()
         self.env, self.tokenizer = env, tokenizer
         self.engine_handle = engine if isinstance(engine, EngineHandle) else EngineHandle(engine)
         self.group_size, self.tasks_per_step = group_size, tasks_per_step
         self.budget, self.sampling, self.reward = budget, sampling, reward
         self.quarantine_as_failure, self.max_quarantine_fraction = quarantine_as_failure, max_quarantine_fraction
-        self.seed = seed
+        self.seed, self.rollout_timeout_s = seed, rollout_timeout_s
+        self.batches_delivered = 0  # rollout steps handed to the trainer by this process (every rank counts alike)
         self.split, self.drop_hardest, self.hardest_tier = split, drop_hardest, hardest_tier
         self.sampler_state = {"epoch": 0, "position": 0}
         self.step = 0
@@ -280,6 +331,14 @@ class RolloutDataModule(L.LightningDataModule):
         if not tasks:
             raise ValueError(f"split {self.split!r} of environment {self.env.name!r} has no tasks")
         return tasks
+
+    @functools.cached_property
+    def shard_layout(self) -> ShardLayout:
+        """Every rank's data-parallel shard, gathered once (a collective: every rank asks at its first step)."""
+        module = self.trainer.lightning_module
+        ranks = [None] * self.trainer.world_size
+        dist.all_gather_object(ranks, data_parallel_rank(getattr(module, "parallel_dims", None)))
+        return ShardLayout([shard for shard, _ in ranks], ranks[0][1], getattr(module, "updates_per_batch", 1))
 
     def teardown(self, stage: str) -> None:
         """Stop the environment's worker processes, if it has any."""

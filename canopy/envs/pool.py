@@ -359,8 +359,10 @@ class PooledEpisode:
 
 
 def check_serving(env) -> None:
-    """The serving layer's keys: `env.max_quarantine_fraction`, `env.sandbox.*`, then `env.pool.*` against them."""
+    """The serving layer's keys: `env.max_quarantine_fraction`, `env.sandbox.*`, `env.pool.*` against them, then
+    `env.ray.*`."""
     from canopy.config import require
+    from canopy.envs import ray_pool
 
     require(
         isinstance(env.max_quarantine_fraction, (int, float)) and 0 < env.max_quarantine_fraction <= 1,
@@ -369,3 +371,4 @@ def check_serving(env) -> None:
     )
     sandbox = SandboxLimits(**env.sandbox)
     PoolSettings(**env.pool).validate(sandbox)
+    ray_pool.validate(env)

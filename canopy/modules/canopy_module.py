@@ -18,11 +18,11 @@ from canopy.modules.parallel import (
     apply_activation_checkpointing,
     build_parallel_policy,
     context_parallel_mesh,
-    data_parallel_rank,
+    gather_on_rank0,
     gather_sequence,
     sum_over_context,
 )
-from canopy.modules.policy import export_hf_state_dict, iter_hf_weights, load_policy, unwrap
+from canopy.modules.policy import iter_hf_weights, load_policy, unwrap
 from canopy.objective import canopy_loss
 from canopy.rollout.engine import EngineHandle
 
@@ -83,6 +83,7 @@ class CanopyModule(L.LightningModule):
         self.parallel_dims = None  # TorchTitan's meshes when the policy is sharded
         self.weight_version = 0  # rollout batches consumed = weight syncs sent to the engine
         self.update_stats: dict[str, float] = {}  # the update about to be applied, reduced (read by OnPolicyAudit)
+        self.batch_action_tokens = 0.0  # the step's action tokens over every shard
 
     @property
     def updates_per_batch(self) -> int:
@@ -164,12 +165,9 @@ class CanopyModule(L.LightningModule):
         return out
 
     def iter_hf_weights(self):
-        """The policy's (HF name, full tensor) pairs, streamed (see `policy.iter_hf_weights`)."""
-        return iter_hf_weights(self.policy, self.adapter)
-
-    def export_hf_state_dict(self) -> dict[str, torch.Tensor]:
-        """The whole policy under HF names (for saving; a collective when sharded)."""
-        return export_hf_state_dict(self.policy, self.adapter)
+        """The policy's (HF name, full tensor) pairs, streamed (see `policy.iter_hf_weights`). Sharded, a collective
+        that gathers on global rank 0 only: the other ranks walk meta tensors."""
+        return iter_hf_weights(self.policy, self.adapter, unwrap if self.parallel_dims is None else gather_on_rank0)
 
     def _global_counts(self, minibatch) -> tuple[float, float]:
         """Action tokens and sequences of this (mini)batch summed over the data-parallel shards."""
@@ -242,9 +240,9 @@ class CanopyModule(L.LightningModule):
 
     def training_step(self, dataloader_iter):
         """Section 3.3: a fresh rollout batch, the frozen reference's logprobs, ONE optimizer step on Eq. 8, then
-        the new weights to the engine, so that the next batch is sampled from them (strictly on-policy)."""
-        batch = self._fresh_batch(dataloader_iter)
-        rows = self._data_parallel_rows(batch)
+        the new weights to the engine, so that the next batch is sampled from them (strictly on-policy). Sharded,
+        `rows` are this data-parallel shard's episodes only (`RolloutStream` deals them out)."""
+        rows = self._fresh_batch(dataloader_iter)
         micro_batches = self._micro_batches(rows)
 
         started = time.perf_counter()
@@ -260,32 +258,28 @@ class CanopyModule(L.LightningModule):
         self.engine.sync(self.iter_hf_weights(), self.weight_version, self.trainer.is_global_zero)
         timings["time/weight_sync"] = time.perf_counter() - started
 
-        self._log_step(batch, metrics, timings)
+        self._log_step(rows, metrics, timings)
 
     def _fresh_batch(self, dataloader_iter) -> RolloutBatch:
-        """The batch generated for this step, on this device. Every sampled token carries the weight version
-        the engine sampled it with; a token from any version but the policy's current one is refused."""
+        """This rank's rows of the batch generated for this step, on this device. Every sampled token carries the
+        weight version the engine sampled it with; a token from any version but the policy's current one is
+        refused, on every rank at once (the count is summed over the shards)."""
         batch, _, _ = next(dataloader_iter)
         batch = move_data_to_device(batch, self.device)  # a `dataloader_iter` step gets its batch as generated
         versions = batch.token_versions[batch.action_mask]
         stale = versions != self.weight_version
-        if bool(stale.any()):
+        counts = all_reduce_sum(
+            {"stale": float(stale.sum()), "tokens": float(versions.numel())}, self.parallel_dims, over="batch"
+        )
+        if counts["stale"]:
+            seen = sorted(set(versions[stale].tolist())) if bool(stale.any()) else "(on other shards)"
             raise OffPolicyError(
-                f"{int(stale.sum())} of {versions.numel()} sampled tokens came from weight version(s) "
-                f"{sorted(set(versions[stale].tolist()))}, but the policy is at version {self.weight_version}: the "
-                "engine missed a weight sync (check the engine's log); strict on-policy training needs every token "
-                "sampled by the current weights"
+                f"{int(counts['stale'])} of {int(counts['tokens'])} sampled tokens came from weight version(s) {seen}, "
+                f"but the policy is at version {self.weight_version}: the engine missed a weight sync (check the "
+                "engine's log); strict on-policy training needs every token sampled by the current weights"
             )
+        self.batch_action_tokens = counts["tokens"]
         return batch
-
-    def _data_parallel_rows(self, batch: RolloutBatch) -> RolloutBatch:
-        """This data-parallel shard's episodes. Every rank holds the whole batch; each shard trains on its own rows
-        (its CP ranks on their own positions of them), with the batch-wide action-token count as the denominator,
-        so that the summed gradients are Eq. 8 exactly."""
-        dp_rank, dp_size = data_parallel_rank(self.parallel_dims)
-        if len(batch.lengths) < dp_size * self.hparams.minibatches_per_step:
-            raise RuntimeError(f"{len(batch.lengths)} surviving episodes cannot feed {dp_size} data-parallel shards")
-        return batch.select(torch.arange(len(batch.lengths))[dp_rank::dp_size]) if dp_size > 1 else batch
 
     def _optimizer_step(self, batch: RolloutBatch, micro_batches, ref_logprobs: torch.Tensor) -> dict[str, float]:
         """One optimizer step over the whole batch (micro-batches only accumulate gradients); the step's metrics,
@@ -320,7 +314,7 @@ class CanopyModule(L.LightningModule):
 
     def _log_step(self, batch: RolloutBatch, metrics: dict[str, float], timings: dict[str, float]) -> None:
         """The step's actor metrics, the batch's rollout metrics and the phase timings; success and KL on the bar."""
-        logged = {**metrics, "actor/action_tokens": float(batch.num_action_tokens), **batch.metrics, **timings}
+        logged = {**metrics, "actor/action_tokens": self.batch_action_tokens, **batch.metrics, **timings}
         self.log_dict(logged, on_step=True, on_epoch=False, batch_size=len(batch.lengths))
         self.log_dict(
             {"success": logged.get("reward/success", 0.0), "kl": logged["actor/kl"]},

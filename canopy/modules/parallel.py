@@ -1,9 +1,10 @@
 """Sharding the policy with TorchTitan: FSDP2 (data-parallel shard) x tensor parallel (+ sequence parallel),
 and context parallel on GPUs, from the device mesh of Lightning's `ModelParallelStrategy`.
 
-Meshes (TorchTitan's `ParallelDims`): "batch" = the data-parallel shards, which train on distinct rows; "cp" = the
-context-parallel ranks of one shard, which hold distinct positions of the same rows; "fsdp" = dp_shard x cp, every
-rank holding distinct tokens, over which FSDP sums the gradients; TP ranks hold the same tokens.
+Meshes (TorchTitan's `ParallelDims`): "batch" = the data-parallel shards (dp_replicate x dp_shard), which train on
+distinct rows; "cp" = the context-parallel ranks of one shard, which hold distinct positions of the same rows;
+"loss" = batch x cp, every rank holding distinct tokens, over which the gradients are summed (FSDP's reduce-scatter
+over dp_shard x cp, then HSDP's all-reduce over dp_replicate); TP ranks hold the same tokens.
 
 The model is built on the meta device, parallelized by TorchTitan's own `parallelize_qwen3`, then filled from
 the HF checkpoint one tensor at a time: each rank memory-maps the safetensors, converts one HF tensor to its
@@ -11,6 +12,7 @@ TorchTitan name and keeps only its own shard of it, so no rank ever materializes
 """
 
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -18,6 +20,7 @@ import torch.distributed as dist
 from safetensors import safe_open
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor, Shard
 
 from canopy.config import ConfigError
 from canopy.modules.policy import model_family, qwen3_config_from_hf, read_hf_config, safetensors_files
@@ -29,6 +32,7 @@ class ParallelSettings:
 
     dp_shard: int = 1
     tp: int = 1
+    dp_replicate: int = 1  # HSDP: replicas of the dp_shard-way sharded model (typically one per node)
     cp: int = 1
     sequence_parallel: bool = True
     mixed_precision: str = "float32"  # FSDP compute dtype: float32 | bfloat16 (reductions stay float32)
@@ -78,13 +82,14 @@ def build_parallel_policy(
             "parallelism.dp_shard (FSDP), or GPUs"
         )
 
-    if settings.dp_shard * settings.tp * settings.cp != world_size:
+    if settings.dp_replicate * settings.dp_shard * settings.tp * settings.cp != world_size:
         raise ConfigError(
-            f"parallelism.dp_shard={settings.dp_shard} x tp={settings.tp} x cp={settings.cp} must equal the "
-            f"{world_size} processes (trainer.devices x nodes)"
+            f"parallelism.dp_replicate={settings.dp_replicate} x dp_shard={settings.dp_shard} x tp={settings.tp} x "
+            f"cp={settings.cp} must equal the {world_size} processes (trainer.devices x trainer.num_nodes)"
         )
     parallel_dims_module.device_type = device.type  # TorchTitan builds its meshes on this device type
     parallelism = ParallelismConfig(
+        data_parallel_replicate_degree=settings.dp_replicate,
         data_parallel_shard_degree=settings.dp_shard,
         tensor_parallel_degree=settings.tp,
         context_parallel_degree=settings.cp,
@@ -129,7 +134,8 @@ def build_parallel_policy(
     for module in model.modules():
         if isinstance(module, FSDPModule):
             # the loss is already divided by the global action-token count (Eq. 8), so gradients are summed
-            # over FSDP's ranks (dp_shard x cp), not averaged (gloo has no PREMUL_SUM either)
+            # over every rank holding distinct tokens (dp_replicate x dp_shard x cp), not averaged (gloo has no
+            # PREMUL_SUM either)
             module.set_force_sum_reduction_for_comms(True)
     return model, adapter, dims
 
@@ -173,7 +179,7 @@ class _WithParallelism:
 
 
 def _mesh(dims, name: str):
-    """TorchTitan's `name` mesh ("batch", "cp" or "fsdp") when it spans several ranks, else None."""
+    """TorchTitan's `name` mesh ("batch", "cp" or "loss") when it spans several ranks, else None."""
     mesh = None if dims is None else dims.get_optional_mesh(name)
     return mesh if mesh is not None and mesh.size() > 1 else None
 
@@ -194,8 +200,8 @@ def _comm_device(mesh) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device("cpu")
 
 
-def all_reduce_sum(values: dict[str, float], dims, over: str = "fsdp") -> dict[str, float]:
-    """Sum per-rank partials over `over`: "fsdp" for partials of each rank's own tokens (dp_shard x cp),
+def all_reduce_sum(values: dict[str, float], dims, over: str = "loss") -> dict[str, float]:
+    """Sum per-rank partials over `over`: "loss" for partials of each rank's own tokens (batch x cp),
     "batch" for counts of each data-parallel shard's own rows."""
     mesh = _mesh(dims, over)
     if mesh is None:
@@ -207,8 +213,9 @@ def all_reduce_sum(values: dict[str, float], dims, over: str = "fsdp") -> dict[s
 
 
 def all_reduce_max(value: int, dims) -> int:
-    """The largest `value` over FSDP's ranks (e.g. micro-batch counts, which must agree for its collectives)."""
-    mesh = _mesh(dims, "fsdp")
+    """The largest `value` over the ranks holding distinct tokens (e.g. micro-batch counts, which must agree for
+    the gradient collectives of FSDP and HSDP)."""
+    mesh = _mesh(dims, "loss")
     if mesh is None:
         return value
     packed = torch.tensor([value], dtype=torch.int64, device=_comm_device(mesh))
@@ -230,3 +237,55 @@ def gather_sequence(tensor: torch.Tensor, mesh) -> torch.Tensor:
     parts = [torch.empty_like(tensor) for _ in range(mesh.size())]
     dist.all_gather(parts, tensor.contiguous(), group=mesh.get_group())
     return torch.cat(parts, dim=1)
+
+
+def gather_on_rank0(tensor: torch.Tensor) -> torch.Tensor:
+    """The full tensor on global rank 0, and a meta tensor of its shape (no memory) on every other rank: weight
+    sync and export need it on rank 0 only. A tensor sharded along one dimension (FSDP, HSDP, TP alone) is gathered
+    straight into rank 0 over the one group holding its shards; other layouts (FSDP x TP's strided shards) are
+    all-gathered, then dropped off rank 0. A collective: every rank calls it, in the same order."""
+    mesh = tensor.device_mesh if isinstance(tensor, DTensor) else None
+    sharded = [] if mesh is None else [(d, p) for d, p in enumerate(tensor.placements) if split(p, mesh.size(d))]
+    if not sharded:  # whole on every rank already
+        whole = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        return whole if dist.get_rank() == 0 else whole.to("meta")
+    if len(sharded) != 1 or type(sharded[0][1]) is not Shard:
+        full = tensor.full_tensor()
+        return full if dist.get_rank() == 0 else full.to("meta")
+    mesh_dim, placement = sharded[0]
+    rank0 = [int(i) for i in (mesh.mesh == 0).nonzero()[0]]
+    mine = mesh.get_coordinate()
+    if any(a != b for d, (a, b) in enumerate(zip(mine, rank0)) if d != mesh_dim):
+        return torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")  # a replica rank 0 does not gather from
+    dim, shards = placement.dim, mesh.size(mesh_dim)
+    chunk = -(-tensor.shape[dim] // shards)  # torch.chunk's sizes: full chunks first, then the rest, then empty
+    local = tensor.to_local()
+    padding = [0, 0] * (local.dim() - dim - 1) + [0, chunk - local.shape[dim]]
+    padded = torch.nn.functional.pad(local, padding).contiguous()
+    parts = [torch.empty_like(padded) for _ in range(shards)] if dist.get_rank() == 0 else None
+    dist.gather(padded, parts, dst=0, group=mesh.get_group(mesh_dim))
+    if dist.get_rank() != 0:
+        return torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
+    return torch.cat(parts, dim=dim).narrow(dim, 0, tensor.shape[dim])
+
+
+def split(placement, ranks: int) -> bool:
+    """Whether `placement` over `ranks` ranks splits the tensor (a shard over one rank holds all of it)."""
+    return not placement.is_replicate() and ranks > 1
+
+
+def rank0_done(key: str) -> None:
+    """Tell the other ranks, through the process group's store, that rank 0 finished the work named `key`."""
+    dist.distributed_c10d._get_default_store().set(key, "1")
+
+
+def wait_for_rank0(key: str, timeout_s: float, what: str) -> None:
+    """Wait for `rank0_done(key)` on the process group's store, outside any collective (whose timeout is sized for
+    collectives, not for a rollout step or an evaluation), for at most `timeout_s`; then one line naming the key."""
+    try:
+        dist.distributed_c10d._get_default_store().wait([key], timedelta(seconds=timeout_s))
+    except RuntimeError as error:
+        raise RuntimeError(
+            f"rank {dist.get_rank()} waited {timeout_s} s for rank 0's {what} and gave up ({error}): raise "
+            "trainer.rollout_timeout_s, or see rank 0's log for why it stopped"
+        ) from None

@@ -9,6 +9,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Iterable
 from functools import partial
 from pathlib import Path
 
@@ -140,15 +141,15 @@ def unwrap(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
-def iter_hf_weights(model: torch.nn.Module, adapter):
+def iter_hf_weights(model: torch.nn.Module, adapter, gather=unwrap):
     """(HF name, full tensor) pairs, one tensor at a time: a sharded policy is never gathered whole anywhere.
-    A collective when sharded: every rank must walk it to the end."""
+    `gather` makes each parameter whole (`unwrap`: on every rank; `parallel.gather_on_rank0`: on rank 0 only, the
+    other ranks walking meta tensors). A collective when sharded: every rank must walk it to the end."""
     if hasattr(adapter, "iter_hf_weights"):  # a family whose adapter converts several tensors together
-        yield from adapter.iter_hf_weights(model, unwrap)
+        yield from adapter.iter_hf_weights(model, gather)
         return
     for name, value in model.state_dict().items():
-        for hf_name, tensor in adapter.to_hf({name: value}).items():
-            yield hf_name, unwrap(tensor.detach())
+        yield from adapter.to_hf({name: gather(value.detach())}).items()
 
 
 def export_hf_state_dict(model: torch.nn.Module, adapter: Qwen3StateDictAdapter) -> dict[str, torch.Tensor]:
@@ -156,16 +157,48 @@ def export_hf_state_dict(model: torch.nn.Module, adapter: Qwen3StateDictAdapter)
     return dict(iter_hf_weights(model, adapter))
 
 
-def save_hf_checkpoint(hf_state_dict: dict, tokenizer, base_path: str | Path, out_dir: str | Path) -> Path:
-    """Write HF-named weights as a checkpoint directory (base config + safetensors + tokenizer), atomically."""
+def write_hf_checkpoint(
+    named_tensors: Iterable[tuple[str, torch.Tensor]],
+    base_path: str | Path,
+    out_dir: str | Path,
+    dtype: torch.dtype | None = None,
+    shard_bytes: int = 4 << 30,
+) -> Path:
+    """Stream (HF name, tensor) pairs into an HF checkpoint directory: safetensors shards of about `shard_bytes`
+    written as the tensors come (never the whole model in memory) + their index + the base checkpoint's other
+    files (config, tokenizer). Staged next to `out_dir` and renamed into place: never half-written."""
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
-    state = {k: v.contiguous() for k, v in hf_state_dict.items()}
-    save_file(state, staging / "model.safetensors", metadata={"format": "pt"})
-    shutil.copy(Path(base_path) / "config.json", staging / "config.json")
-    tokenizer.save_pretrained(staging)
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    os.replace(staging, out_dir)
-    return out_dir
+    try:
+        weight_map, shard, size, total = {}, {}, 0, 0
+        for name, tensor in named_tensors:
+            shard[name] = tensor.detach().to("cpu", dtype or tensor.dtype).contiguous()
+            size += shard[name].nbytes
+            if size >= shard_bytes:
+                total += _save_shard(staging, shard, weight_map)
+                shard, size = {}, 0
+        if shard or not weight_map:
+            total += _save_shard(staging, shard, weight_map)
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (staging / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+        for file in Path(base_path).iterdir():
+            if file.is_file() and not any(file.match(pattern) for pattern in WEIGHT_FILES):
+                shutil.copy2(file, staging / file.name)
+        if out_dir.exists():  # a resumed run re-writes the version it stopped at
+            shutil.rmtree(out_dir)
+        os.replace(staging, out_dir)
+        return out_dir
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.index.json")  # not copied from the base checkpoint
+
+
+def _save_shard(directory: Path, shard: dict[str, torch.Tensor], weight_map: dict[str, str]) -> int:
+    name = f"model-{len(set(weight_map.values())) + 1:05d}.safetensors"
+    save_file(shard, directory / name, metadata={"format": "pt"})
+    weight_map.update(dict.fromkeys(shard, name))
+    return sum(t.nbytes for t in shard.values())

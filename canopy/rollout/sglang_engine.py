@@ -10,7 +10,7 @@ SGLang gives log softmax(logits / temperature) over the whole vocabulary, before
 does and as the trainer scores (`token_logprobs` at the sampling temperature).
 
 Weights reach every server after each optimizer step, then the servers report the new version:
-- disk: safetensors shards + the base config / tokenizer written to <sync_dir>/v<version> (staged, renamed),
+- disk: safetensors shards + the base config / tokenizer streamed to <sync_dir>/v<version> (staged, renamed),
   then pause_generation -> update_weights_from_disk -> flush_cache -> continue_generation;
 - distributed: trainer rank 0 joins the servers' process group once (init_weights_update_group), then
   pause -> begin_weight_update -> update_weights_from_distributed per bucket while broadcasting it -> end -> continue.
@@ -25,10 +25,10 @@ import os
 import shutil
 import signal
 import subprocess
-import tempfile
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Iterator
@@ -39,12 +39,11 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
+from canopy.modules.policy import write_hf_checkpoint
 from canopy.rollout.engine import EngineFault, Generation, SamplingParams
 
 GROUP_NAME = "canopy_weight_sync"
-WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.index.json")
 ROUTES_KEPT = 1 << 16  # sticky routes remembered
 TRANSIENT = (OSError, http.client.HTTPException, json.JSONDecodeError)  # connection refused / reset, timeouts, garbled
 
@@ -57,6 +56,7 @@ class SGLangSettings:
     urls: list[str] = field(default_factory=list)
     num_servers: int = 1
     base_port: int = 30000
+    host: str = "127.0.0.1"
     base_gpu_id: int = 0
     tp_size: int = 1
     mem_fraction: float = 0.8
@@ -71,9 +71,9 @@ class SGLangSettings:
     max_retries: int = 3
     startup_timeout_s: float = 900.0
 
-    def validate(self, accelerator: str) -> None:
-        """Launch (python) or attach (urls), ports, sizes, weight sync and request limits: one line naming the fix
-        on the first bad value."""
+    def validate(self, accelerator: str, trainer_devices: int = 1) -> None:
+        """Launch (python) or attach (urls), ports, sizes, GPUs apart from the trainer's, weight sync reachable from
+        the servers, and request limits: one line naming the fix on the first bad value."""
         from canopy.config import is_int, require
 
         urls = list(self.urls or [])
@@ -99,6 +99,21 @@ class SGLangSettings:
             isinstance(self.mem_fraction, (int, float)) and 0 < self.mem_fraction < 1,
             f"engine.sglang.mem_fraction={self.mem_fraction} must lie in (0, 1), e.g. 0.8",
         )
+        gpus = range(self.base_gpu_id, self.base_gpu_id + self.num_servers * self.tp_size)
+        require(
+            bool(urls) or accelerator == "cpu" or gpus.start >= trainer_devices,
+            f"engine.sglang launches {self.num_servers} server(s) x tp {self.tp_size} on {gpu_names(gpus)}, but the "
+            f"trainer uses {gpu_names(range(trainer_devices))} of that node (trainer.devices={trainer_devices}): "
+            f"set engine.sglang.base_gpu_id={trainer_devices} (GPUs after the trainer's), or run "
+            "the servers on other nodes and attach with engine.sglang.urls (colocation is not supported)",
+        )
+        remote = [u for u in urls if not is_loopback(u)]
+        require(
+            not (self.weight_sync == "distributed" and remote and is_loopback(f"//{self.sync_master_addr}")),
+            f"engine.sglang.sync_master_addr={self.sync_master_addr} is a loopback address, but the servers "
+            f"{remote} are on other machines and must reach the trainer's rank 0 there: set it to this node's "
+            "address on their network",
+        )
         require(
             self.weight_sync in ("disk", "distributed"),
             f"engine.sglang.weight_sync={self.weight_sync!r} is unknown: use disk or distributed",
@@ -123,6 +138,21 @@ class SGLangSettings:
             is_int(self.max_retries) and self.max_retries >= 0,
             f"engine.sglang.max_retries={self.max_retries} must be >= 0",
         )
+
+
+def gpu_names(gpus: range) -> str:
+    return f"GPU {gpus.start}" if len(gpus) == 1 else f"GPUs {gpus.start}-{gpus.stop - 1}"
+
+
+def is_loopback(url: str) -> bool:
+    """Whether `url`'s host is this machine only (localhost, 127.0.0.0/8, ::1)."""
+    host = urllib.parse.urlsplit(url).hostname or ""
+    return host == "localhost" or host.startswith("127.") or host == "::1"
+
+
+def client_host(bind: str) -> str:
+    """Where this process reaches a server it launched bound to `bind` (a wildcard bind answers on loopback)."""
+    return "127.0.0.1" if bind in ("0.0.0.0", "::", "") else bind
 
 
 class StaleSampleError(RuntimeError):
@@ -193,7 +223,7 @@ def launch_command(
         "--model-path",
         str(model_path),
         "--host",
-        "127.0.0.1",
+        s.host,
         "--port",
         str(s.base_port + index),
         "--tp-size",
@@ -327,7 +357,7 @@ class SGLangEngine:
             process = subprocess.Popen(
                 argv, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **env}, start_new_session=True
             )
-        return _Server(f"http://127.0.0.1:{port}", self.settings.tp_size, process, log)
+        return _Server(f"http://{client_host(self.settings.host)}:{port}", self.settings.tp_size, process, log)
 
     def _wait_healthy(self, server: _Server) -> None:
         """Poll /health_generate (one real token) until it answers 200; a dead process or the timeout raises."""
@@ -548,7 +578,13 @@ class SGLangEngine:
         """Push the trainer's (HF name, tensor) stream to every server; later samples must carry `version`.
         Every weight of the base checkpoint must come, and nothing else: a partial update would mix two policies."""
         if self.settings.weight_sync == "disk":
-            path = self._write_checkpoint(self._checked(named_tensors, version), version)
+            path = write_hf_checkpoint(
+                self._checked(named_tensors, version),
+                self.model_path,
+                self.sync_dir / f"v{version}",
+                self.sync_dtype,
+                self.shard_bytes,
+            )
             self._for_all("/pause_generation", {"mode": "abort"})
             self._for_all("/update_weights_from_disk", {"model_path": str(path), "weight_version": str(version)})
             self._for_all("/flush_cache", {})  # no KV computed by the old weights survives
@@ -575,40 +611,6 @@ class SGLangEngine:
             raise RuntimeError(
                 f"weight update to version {version} missed {sorted(missing)[:3]}: engine weights would be mixed"
             )
-
-    def _write_checkpoint(self, named_tensors: Iterator[tuple[str, torch.Tensor]], version: int) -> Path:
-        """<sync_dir>/v<version>: safetensors shards + index + the base's config and tokenizer, staged then renamed."""
-        staging = Path(tempfile.mkdtemp(prefix=f".v{version}-", dir=self.sync_dir))
-        try:
-            weight_map, shard, shard_size, total = {}, {}, 0, 0
-            for name, tensor in named_tensors:
-                shard[name] = tensor.detach().to("cpu", self.sync_dtype or tensor.dtype).contiguous()
-                shard_size += shard[name].nbytes
-                if shard_size >= self.shard_bytes:
-                    total += self._save_shard(staging, shard, weight_map)
-                    shard, shard_size = {}, 0
-            if shard:
-                total += self._save_shard(staging, shard, weight_map)
-            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-            (staging / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-            for file in self.model_path.iterdir():
-                if file.is_file() and not any(file.match(p) for p in WEIGHT_PATTERNS):
-                    shutil.copy2(file, staging / file.name)
-            final = self.sync_dir / f"v{version}"
-            if final.exists():  # a resumed run re-syncs the version it stopped at
-                shutil.rmtree(final)
-            os.replace(staging, final)
-            return final
-        except BaseException:
-            shutil.rmtree(staging, ignore_errors=True)
-            raise
-
-    @staticmethod
-    def _save_shard(directory: Path, shard: dict[str, torch.Tensor], weight_map: dict[str, str]) -> int:
-        name = f"model-{len(set(weight_map.values())) + 1:05d}.safetensors"
-        save_file(shard, directory / name, metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(shard, name))
-        return sum(t.nbytes for t in shard.values())
 
     def _sync_distributed(self, named_tensors: Iterator[tuple[str, torch.Tensor]], version: int) -> None:
         if self.group is None:
