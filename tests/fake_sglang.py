@@ -88,3 +88,51 @@ class FakeSGLang:
         request.send_header("Content-Length", str(len(data)))
         request.end_headers()
         request.wfile.write(data)
+
+
+class FakeGateway:
+    """A fake of SGLang's model gateway under its manual policy: /generate is forwarded to one of `backends`, pinned
+    by the `X-SMG-Routing-Key` header (a new key goes to the backend with the fewest keys). Records every (path,
+    key, backend index); anything but /generate is refused, as the gateway has no weight-update endpoints."""
+
+    def __init__(self, backends: list[FakeSGLang]):
+        self.backends, self.calls, self.pinned = backends, [], {}
+        self.lock = threading.Lock()
+        gateway = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_POST(self):
+                gateway.forward(self, self.rfile.read(int(self.headers["Content-Length"])))
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def forward(self, request, data: bytes):
+        import urllib.error
+        import urllib.request
+
+        key = request.headers.get("X-SMG-Routing-Key")
+        with self.lock:
+            if key not in self.pinned:
+                counts = [list(self.pinned.values()).count(i) for i in range(len(self.backends))]
+                self.pinned[key] = counts.index(min(counts))
+            backend = self.pinned[key]
+            self.calls.append((request.path, key, backend))
+        if request.path != "/generate":
+            return FakeSGLang.reply(request, {"error": {"message": f"no {request.path} on the gateway"}}, 404)
+        upstream = urllib.request.Request(
+            self.backends[backend].url + "/generate", data=data, headers={"Content-Type": "application/json"}
+        )
+        try:
+            with urllib.request.urlopen(upstream, timeout=60) as reply:
+                return FakeSGLang.reply(request, json.loads(reply.read()))
+        except urllib.error.HTTPError as error:
+            return FakeSGLang.reply(request, json.loads(error.read()), error.code)
+
+    def stop(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()

@@ -7,8 +7,8 @@ import threading
 import time
 
 import pytest
-from fake_sglang import FakeSGLang
-from test_sglang_engine import engine_for
+from fake_sglang import FakeGateway, FakeSGLang
+from test_sglang_engine import engine_for, tiny_weights
 
 from canopy.envs.base import StepResult, Task, Verdict
 from canopy.rollout.agent_loop import Budget, run_episodes
@@ -154,3 +154,30 @@ def test_an_in_process_environment_gathers_every_live_episode_per_batch_in_job_o
     engine.batches.clear()  # at most 2 at once: a finished episode's place goes to the next job
     trajectories, _ = run_episodes(engine, env, tokenizer, work, BUDGET, SamplingParams(), concurrency=2)
     assert engine.batches == [["e0", "e1"], ["e0", "e2"], ["e0", "e2"], ["e3"], ["e3"], ["e3"]]
+
+
+def test_a_gateway_carries_the_data_plane_keyed_by_episode(tiny_path, tmp_path, servers):
+    """`engine.sglang.router_url`: every /generate goes to SGLang's model gateway with the episode as its routing key
+    (so the gateway keeps each episode on one server); weight sync and version checks still reach each server."""
+    tokenizer = build_byte_tokenizer()
+    gateway = FakeGateway(servers)
+    try:
+        engine = engine_for(tiny_path, tmp_path, servers, router_url=gateway.url)
+        trajectories, _ = run_episodes(
+            engine, CountdownEnvironment(), tokenizer, jobs(12, 4), BUDGET, SamplingParams(), concurrency=12
+        )
+        placement = episode_servers(servers, tokenizer)
+        engine.update_weights(tiny_weights(tiny_path, 0.01).items(), 1)
+        after_sync = engine.generate([[5, 6]], [4], SamplingParams(), keys=["late"])[0]
+    finally:
+        gateway.stop()
+    assert all(t.quarantine is None and t.num_turns == 4 for t in trajectories)
+    keys = [key for _, key, _ in gateway.calls]
+    assert len(keys) == 12 * 4 + 1 and all(path == "/generate" for path, _, _ in gateway.calls)
+    turns = {key: keys.count(key) for key in set(keys) - {"late"}}
+    assert len(turns) == 12 and set(turns.values()) == {4}  # one key per episode, on each of its turns
+    assert len(placement) == 12 and {len(s) for s in placement.values()} == {1}  # each episode on one server
+    assert sum(len(server.bodies("/generate")) for server in servers) == len(keys)  # all through the gateway
+    for server in servers:  # the control plane: every server, directly
+        assert server.bodies("/update_weights_from_disk")[-1]["weight_version"] == "1" and server.version == "1"
+    assert after_sync.weight_version == 1 and engine.routing["turns"] == len(keys)

@@ -374,6 +374,9 @@ def test_servers_and_trainer_never_share_gpus_and_remote_servers_reach_rank_0():
         )
     )
 
+    with pytest.raises(ConfigError, match="engine.sglang.router_url=gateway:30080: must be null or the gateway's URL"):
+        validate(config(*remote, "engine.sglang.sync_master_addr=10.1.2.4", "engine.sglang.router_url=gateway:30080"))
+
     settings = SGLangSettings(python="/x", host="0.0.0.0")
     argv, _ = launch_command(settings, "/models/q", 0, None, None, seed=0)
     assert argv[argv.index("--host") + 1] == "0.0.0.0" and client_host("0.0.0.0") == "127.0.0.1"

@@ -4,9 +4,10 @@ Servers are launched with `python -m sglang.launch_server` from the SGLang venv'
 Each prompt is one `/generate` request (token ids in, `return_logprob`). Routing is sticky per episode: its first
 turn goes to the healthy server with the fewest requests in flight, and its later turns follow, so its growing
 prefix stays in that server's cache. A server that fails a request (connection error, 5xx) is ejected and
-re-admitted once its /health answers; retries go to another server. Returned logprobs: with
-SGLANG_RETURN_ORIGINAL_LOGPROB off (forced off for servers we launch),
-SGLang gives log softmax(logits / temperature) over the whole vocabulary, before top-k / top-p, as LocalEngine
+re-admitted once its /health answers; retries go to another server. With `router_url` the requests go to SGLang's
+model gateway instead, the episode id in its `X-SMG-Routing-Key` header (the gateway's manual or consistent-hashing
+policy keeps the episode on one server); weight sync and version checks still go to each server. Returned logprobs:
+with SGLANG_RETURN_ORIGINAL_LOGPROB off (forced off for servers we launch), SGLang gives log softmax(logits / temperature) over the whole vocabulary, before top-k / top-p, as LocalEngine
 does and as the trainer scores (`token_logprobs` at the sampling temperature).
 
 Weights reach every server after each optimizer step, then the servers report the new version:
@@ -45,6 +46,7 @@ from canopy.rollout.engine import EngineFault, Generation, SamplingParams
 
 GROUP_NAME = "canopy_weight_sync"
 ROUTES_KEPT = 1 << 16  # sticky routes remembered
+ROUTING_KEY_HEADER = "X-SMG-Routing-Key"  # the gateway's session key (its manual / consistent_hashing policies)
 TRANSIENT = (OSError, http.client.HTTPException, json.JSONDecodeError)  # connection refused / reset, timeouts, garbled
 
 
@@ -54,6 +56,7 @@ class SGLangSettings:
 
     python: str | None = None
     urls: list[str] = field(default_factory=list)
+    router_url: str | None = None
     num_servers: int = 1
     base_port: int = 30000
     host: str = "127.0.0.1"
@@ -85,6 +88,10 @@ class SGLangSettings:
         require(
             all(isinstance(u, str) and u.startswith(("http://", "https://")) for u in urls),
             f"engine.sglang.urls={urls}: each must be a server URL like http://host:30000",
+        )
+        require(
+            self.router_url is None or str(self.router_url).startswith(("http://", "https://")),
+            f"engine.sglang.router_url={self.router_url}: must be null or the gateway's URL, like http://host:30080",
         )
         for key in ("num_servers", "tp_size", "concurrency", "base_port", "sync_master_port"):
             require(
@@ -169,10 +176,10 @@ class _Aborted(Exception):
     """The server aborted the request (finish_reason abort): worth another try."""
 
 
-def _request(url: str, body: dict | None, timeout: float):
+def _request(url: str, body: dict | None, timeout: float, headers: dict | None = None):
     """GET (no body) or POST JSON; returns the decoded JSON reply (or text). Raises _HTTPError on a non-2xx status."""
     data = None if body is None else json.dumps(body).encode()
-    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json", **(headers or {})})
     try:
         with urllib.request.urlopen(request, timeout=timeout) as reply:
             text = reply.read().decode()
@@ -319,7 +326,9 @@ class SGLangEngine:
         self.retry_backoff_s, self.shard_bytes, self.bucket_bytes = retry_backoff_s, shard_bytes, bucket_bytes
         self.init_group, self.broadcast, self.group = init_group, broadcast, None
         self.lock = threading.Lock()
-        self.servers: list[_Server] = []
+        self.servers: list[_Server] = []  # every server: control traffic (weight sync, versions) goes to each
+        # SGLang's model gateway, when given: the data plane (/generate), pinned per episode by its routing key
+        self.router = _Server(settings.router_url.rstrip("/"), 0) if settings.router_url else None
         # episode key -> (its server, the server of its first turn): sticky routing, least recently used dropped first
         self.routes: OrderedDict[str, tuple[_Server, _Server]] = OrderedDict()
         self.routing = Counter()  # turns, on_first_server, ejections, readmissions
@@ -484,8 +493,9 @@ class SGLangEngine:
             if attempt:
                 time.sleep(self.retry_backoff_s * attempt)
             server = self._acquire(avoid=failed, key=key)
+            headers = {ROUTING_KEY_HEADER: key} if server is self.router and key is not None else None
             try:
-                return self.parse(_request(server.url + "/generate", body, self.settings.request_timeout_s))
+                return self.parse(_request(server.url + "/generate", body, self.settings.request_timeout_s, headers))
             except _HTTPError as e:
                 if e.status < 500 and e.status not in (408, 429):
                     raise RuntimeError(
@@ -525,8 +535,13 @@ class SGLangEngine:
     def _acquire(self, avoid: _Server | None, key: str | None = None) -> _Server:
         """The episode's server (`key`), sticky from its first turn so that its prefix stays in that server's cache;
         on a first turn, or when its server is ejected or just failed (`avoid`), the healthy server with the fewest
-        requests in flight, which the episode then keeps. Ejected servers take requests only when none is healthy."""
+        requests in flight, which the episode then keeps. Ejected servers take requests only when none is healthy.
+        With a gateway (`router_url`) every request goes to it, and it keeps the episode on one server."""
         with self.lock:
+            if self.router is not None:
+                self.router.outstanding += 1
+                self.routing["turns"] += key is not None
+                return self.router
             healthy = [s for s in self.servers if not s.ejected and s is not avoid]
             candidates = healthy or [s for s in self.servers if s is not avoid] or self.servers
             server, first = self.routes.pop(key, (None, None))
@@ -542,9 +557,10 @@ class SGLangEngine:
             return server
 
     def _eject(self, server: _Server) -> None:
-        """Take a failing server out of routing; the health watcher re-admits it once /health answers."""
+        """Take a failing server out of routing; the health watcher re-admits it once /health answers. The gateway
+        is never ejected: it routes around its own failing servers, and its requests are retried like any other."""
         with self.lock:
-            if server.ejected:
+            if server.ejected or server is self.router:
                 return
             server.ejected = True
             self.routing["ejections"] += 1
