@@ -15,12 +15,13 @@ APPWORLD_STAMP := $(APPWORLD_VENV)/.canopy-installed
 # datasets and modal stay out) and reads mini-swe-agent's templates from its package data (litellm stays out).
 SWE_PACKAGES := swebench==5.0.2 unidiff==0.7.5 mini-swe-agent==1.17.5
 
-$(STAMP): pyproject.toml
+# constraints.txt pins every other package to the versions the suite passed with.
+$(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(SYSTEM_PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[test]'
-	$(PY) -m pip install -q --no-deps $(SWE_PACKAGES)
-	$(PY) -m pip install -q ray==2.52.0
+	$(PY) -m pip install -q -c constraints.txt -e '.[test]'
+	$(PY) -m pip install -q -c constraints.txt --no-deps $(SWE_PACKAGES)
+	$(PY) -m pip install -q -c constraints.txt ray==2.52.0   # environments on Ray nodes (env.ray.address)
 	touch $(STAMP)
 
 # SWE-bench sandboxes (bubblewrap) and the generated tasks' tools (git, patch, python3-pytest on the host's /usr).

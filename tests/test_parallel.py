@@ -14,7 +14,7 @@ from canopy.modules.policy import read_hf_weights
 from canopy.tools.tb_scalars import read_scalars
 from tests.parallel_worker import free_port, run_ranks
 from tests.test_datamodule import datamodule
-from tests.test_train import train
+from tests.test_train import train, train_args
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -65,17 +65,7 @@ def test_torchrun_on_two_nodes_reproduces_one_process(tmp_path):
     steps, common = 2, ["report.eval_samples_per_task=0", "checkpoint.every_n_steps=0"]
     single_dir, _ = train(tmp_path, steps, *common, name="single")  # also builds the tiny model both nodes load
     run_dir, port = tmp_path / "two_nodes", free_port()
-    argv = [
-        f"hydra.run.dir={run_dir}",
-        f"model.tiny.dir={tmp_path / 'tiny'}",
-        "model.tiny.format_warmup_steps=30",
-        f"trainer.max_steps={steps}",
-        "data.tasks_per_step=4",
-        "algorithm.group_size=4",
-        *common,
-        "trainer.num_nodes=2",
-        "parallelism.dp_replicate=2",
-    ]
+    argv = train_args(tmp_path, run_dir, steps, *common, "trainer.num_nodes=2", "parallelism.dp_replicate=2")
     nodes = [
         subprocess.Popen(
             [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1", f"--node-rank={r}"]

@@ -20,7 +20,9 @@ from canopy.envs.pool import EnvironmentPool, PoolSettings
 from canopy.envs.ray_pool import RayEnvironment
 from canopy.rollout.agent_loop import Budget, run_episodes
 from canopy.rollout.engine import SamplingParams
+from canopy.tools.tb_scalars import read_scalars
 from tests.scripted import ScriptedEngine
+from tests.test_train import train
 
 ray = pytest.importorskip("ray")
 
@@ -262,6 +264,24 @@ def test_a_rollout_loses_no_episode_to_a_lost_node(connected, tokenizer):
     assert quarantined and {t.quarantine for t in quarantined} == {"node_lost"}
     assert all(t.verdict is not None and t.ending == "turn_limit" for t in trajectories if t.quarantine is None)
     assert len(quarantined) < len(jobs)  # the surviving nodes ran the rest
+
+
+@pytest.mark.slow
+def test_train_py_runs_its_episodes_on_the_cluster(cluster, tmp_path):
+    """`python train.py env.pool.workers=1 env.ray.address=<cluster>`: the embedded default joins the cluster, runs
+    its rollout steps in the nodes' pools, trains and leaves cleanly."""
+    run_dir, run = train(
+        tmp_path,
+        2,
+        "env.pool.workers=1",
+        f"env.ray.address={cluster.address}",
+        "callbacks=none",
+        "report.eval_samples_per_task=0",
+    )
+    assert "Connecting to existing Ray cluster" in run.stderr
+    scalars = read_scalars(run_dir / "tensorboard")
+    assert [v for _, v in scalars["rollout/episodes"]] == [16.0, 16.0]
+    assert [v for _, v in scalars["rollout/quarantined"]] == [0.0, 0.0]
 
 
 @pytest.mark.parametrize(

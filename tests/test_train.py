@@ -50,9 +50,15 @@ def train(tmp_path, steps: int, *overrides: str, name: str = "run", returncode: 
     """`python train.py` on a small embedded run in `tmp_path/<name>` (the tiny model built once in `tmp_path/tiny`);
     returns (run dir, completed process), which exited with `returncode`."""
     run_dir = tmp_path / name
-    command = [
-        sys.executable,
-        "train.py",
+    command = [sys.executable, "train.py", *train_args(tmp_path, run_dir, steps, *overrides)]
+    run = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert run.returncode == returncode, run.stderr[-3000:]
+    return run_dir, run
+
+
+def train_args(tmp_path, run_dir, steps: int, *overrides: str) -> list[str]:
+    """train.py's arguments for a small embedded run in `run_dir` (the tiny model built once in `tmp_path/tiny`)."""
+    return [
         f"hydra.run.dir={run_dir}",
         f"model.tiny.dir={tmp_path / 'tiny'}",
         "model.tiny.format_warmup_steps=30",
@@ -62,9 +68,6 @@ def train(tmp_path, steps: int, *overrides: str, name: str = "run", returncode: 
         "report.eval_samples_per_task=1",
         *overrides,
     ]
-    run = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900)
-    assert run.returncode == returncode, run.stderr[-3000:]
-    return run_dir, run
 
 
 @pytest.mark.slow
