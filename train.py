@@ -17,7 +17,7 @@ from canopy.modules.canopy_module import silence_benign_warnings
 from canopy.modules.checkpoint import AtomicCheckpoint
 from canopy.modules.policy import write_hf_checkpoint
 from canopy.tools.plots import training_plots
-from canopy.tools.summary import success_by_tier, write_summary
+from canopy.tools.summary import BaseSuccess, success_by_tier, write_summary
 
 
 @hydra.main(config_path="conf", config_name="train", version_base="1.3")
@@ -48,6 +48,8 @@ def main(cfg: DictConfig) -> None:
                 auto_insert_metric_name=False,
             )
         )
+    samples = cfg.report.eval_samples_per_task
+    base = BaseSuccess(samples) if samples else None  # the base policy's success, before the first rollout
     trainer = L.Trainer(
         accelerator=cfg.trainer.accelerator,
         devices=cfg.trainer.devices,
@@ -58,15 +60,13 @@ def main(cfg: DictConfig) -> None:
         logger=logger,
         log_every_n_steps=1,
         enable_checkpointing=bool(cfg.checkpoint.every_n_steps),
-        callbacks=callbacks,
+        callbacks=([base] if base else []) + callbacks,
         num_sanity_val_steps=0,
         default_root_dir=run_dir,
     )
-    samples = cfg.report.eval_samples_per_task if trainer.is_global_zero else 0
     if trainer.is_global_zero:
         print(OmegaConf.to_yaml(cfg, resolve=True))
     try:
-        base = success_by_tier(datamodule, samples, "evaluating base policy") if samples else None
         trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.checkpoint.resume)
     except (SystemicFaultError, OffPolicyError, ConfigError) as error:  # every rank stops; rank 0 says why
         datamodule.teardown("fit")
@@ -83,7 +83,8 @@ def main(cfg: DictConfig) -> None:
     plots = training_plots(logger.log_dir, run_dir, cfg.algorithm.group_size)
     if base is not None:
         final = success_by_tier(datamodule, samples, "evaluating final policy")
-        print(f"\nSuccess on the training tasks ({samples} samples per task):\n{write_summary(run_dir, base, final)}")
+        table = write_summary(run_dir, base.result, final)
+        print(f"\nSuccess on the training tasks ({samples} samples per task):\n{table}")
     engine.close()
     print(
         f"\nfinal policy (HF format): {final_dir}\nplots: {', '.join(p.name for p in plots)}\nTensorBoard: "

@@ -6,7 +6,9 @@ random Qwen3, and, with two or more GPUs, context parallel (x TP x FSDP) against
     token, 6N + attention, plus a third of that for the reference's forward; H200 bf16 dense peak 989 TFLOP/s).
 (b) if torch.cuda.device_count() >= 2: the same steps over dp_shard x tp x cp (cp = 2, tp = 2 from 4 GPUs, up to 8),
     compared with (a): ring attention over head-tail sharded sequences, which only GPUs run. The CPU dry run
-    checks dp_shard x tp instead (SDPA has no CPU sharding rule for CP).
+    checks dp_shard x tp instead (SDPA has no CPU sharding rule for CP). Each data-parallel shard gets its own rows,
+    and the weights gathered into rank 0 alone (NCCL gather) must equal the all-gathered ones exactly.
+(c) then HSDP, as across nodes: dp_replicate = 2 replicas of a (GPUs / 2)-way FSDP model, compared with (a).
 `--family qwen3_5` runs both parts on a random Qwen3.5 (Gated DeltaNet + full attention): (b) as tp = 2 x dp_shard
 (TorchTitan has no CP for Qwen3.5), and on the CPU dry run as dp_shard = 2 (its torch kernels run unsharded).
 
@@ -123,7 +125,7 @@ def run_worker(args) -> None:
     from canopy.rollout.engine import EngineHandle
 
     shape = CPU_MODEL if args.cpu_dry_run else GPU_MODEL
-    world = args.dp * args.tp * args.cp
+    world = args.dp_replicate * args.dp * args.tp * args.cp
 
     class WalkWeights:
         """Stands in for the engine: takes the weights (walks the stream), keeps nothing."""
@@ -160,14 +162,16 @@ def run_worker(args) -> None:
         kl_coef=0.1,
         lr=1e-4,
         micro_batch_tokens=shape["micro_batch_tokens"],
-        parallel=ParallelSettings(dp_shard=args.dp, tp=args.tp, cp=args.cp),
+        parallel=ParallelSettings(dp_replicate=args.dp_replicate, dp_shard=args.dp, tp=args.tp, cp=args.cp),
         engine=engine,
     )
     record = Record()
     trainer = L.Trainer(
         accelerator="cpu" if args.cpu_dry_run else "gpu",
         devices=world,
-        strategy=ModelParallelStrategy(data_parallel_size=args.dp * args.cp, tensor_parallel_size=args.tp)
+        strategy=ModelParallelStrategy(
+            data_parallel_size=args.dp_replicate * args.dp * args.cp, tensor_parallel_size=args.tp
+        )
         if world > 1
         else "auto",
         precision="32-true" if args.cpu_dry_run else "bf16-mixed",
@@ -198,14 +202,14 @@ def run_worker(args) -> None:
         )
 
 
-def run_part(args, dp: int, tp: int, cp: int, out: Path, timeout: int) -> dict | None:
+def run_part(args, dp: int, tp: int, cp: int, out: Path, timeout: int, replicate: int = 1) -> dict | None:
     """Launch one part under torchrun; its rank 0's results, or None (with the reason printed) if it failed."""
     command = [
         sys.executable,
         "-m",
         "torch.distributed.run",
         "--standalone",
-        f"--nproc_per_node={dp * tp * cp}",
+        f"--nproc_per_node={replicate * dp * tp * cp}",
         __file__,
         "--worker",
         "--model",
@@ -220,16 +224,18 @@ def run_part(args, dp: int, tp: int, cp: int, out: Path, timeout: int) -> dict |
         str(tp),
         "--cp",
         str(cp),
+        "--dp-replicate",
+        str(replicate),
     ] + (["--cpu-dry-run"] if args.cpu_dry_run else [])
     root = str(Path(__file__).resolve().parents[1])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
     try:
         run = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env, cwd=root)
     except subprocess.TimeoutExpired:
-        print(f"  dp_shard={dp} tp={tp} cp={cp}: timed out after {timeout} s")
+        print(f"  dp_replicate={replicate} dp_shard={dp} tp={tp} cp={cp}: timed out after {timeout} s")
         return None
     if run.returncode != 0:
-        print(f"  dp_shard={dp} tp={tp} cp={cp}: exit {run.returncode}\n{run.stderr[-4000:]}")
+        print(f"  dp_replicate={replicate} dp_shard={dp} tp={tp} cp={cp}: exit {run.returncode}\n{run.stderr[-4000:]}")
         return None
     return json.loads(out.read_text())
 
@@ -265,7 +271,7 @@ def main() -> None:
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--model", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
-    for degree in ("dp", "tp", "cp"):
+    for degree in ("dp", "tp", "cp", "dp-replicate"):
         parser.add_argument(f"--{degree}", type=int, default=1, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -304,6 +310,16 @@ def main() -> None:
                 failures += ["sharded metrics differ from one rank"] if bad else []
                 print(f"  weights gathered into rank 0 vs all-gathered: max diff {sharded['gather_diff']}")
                 failures += ["weights gathered into rank 0 differ"] if sharded["gather_diff"] != 0 else []
+            replicas, shards = 2, gpus // 2  # as across nodes: each replica a dp_shard-way FSDP model
+            print(f"(c) HSDP: dp_replicate={replicas} x dp_shard={shards} against one rank")
+            hsdp = run_part(args, shards, 1, 1, scratch / "hsdp.json", args.timeout, replicate=replicas)
+            if hsdp is None:
+                failures.append("HSDP run did not finish")
+            else:
+                bad = compare(single, hsdp, 1e-5 if args.cpu_dry_run else 2e-2)
+                print("  matches one rank" if not bad else "  differs: " + "; ".join(bad[:4]))
+                failures += ["HSDP metrics differ from one rank"] if bad else []
+                failures += ["HSDP weights gathered into rank 0 differ"] if hsdp["gather_diff"] != 0 else []
     print("gpu_check_parallel: PASS" if not failures else f"gpu_check_parallel: FAIL ({'; '.join(failures)})")
     sys.exit(1 if failures else 0)
 

@@ -6,9 +6,11 @@ turn goes to the healthy server with the fewest requests in flight, and its late
 prefix stays in that server's cache. A server that fails a request (connection error, 5xx) is ejected and
 re-admitted once its /health answers; retries go to another server. With `router_url` the requests go to SGLang's
 model gateway instead, the episode id in its `X-SMG-Routing-Key` header (the gateway's manual or consistent-hashing
-policy keeps the episode on one server); weight sync and version checks still go to each server. Returned logprobs:
-with SGLANG_RETURN_ORIGINAL_LOGPROB off (forced off for servers we launch), SGLang gives log softmax(logits / temperature) over the whole vocabulary, before top-k / top-p, as LocalEngine
-does and as the trainer scores (`token_logprobs` at the sampling temperature).
+policy keeps the episode on one server); weight sync and version checks still go to each server.
+
+Returned logprobs: with SGLANG_RETURN_ORIGINAL_LOGPROB off (forced off for servers we launch), SGLang gives
+log softmax(logits / temperature) over the whole vocabulary, before top-k / top-p, as LocalEngine does and as the
+trainer scores (`token_logprobs` at the sampling temperature).
 
 Weights reach every server after each optimizer step, then the servers report the new version:
 - disk: safetensors shards + the base config / tokenizer streamed to <sync_dir>/v<version> (staged, renamed),

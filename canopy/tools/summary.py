@@ -3,8 +3,11 @@
 import json
 from pathlib import Path
 
+import lightning as L
+
 from canopy.eval.metrics import summarize
 from canopy.eval.runner import sample_runs
+from canopy.modules.parallel import rank0_done, wait_for_rank0
 
 
 def success_by_tier(datamodule, samples_per_task: int, description: str) -> dict[str, float]:
@@ -23,6 +26,24 @@ def success_by_tier(datamodule, samples_per_task: int, description: str) -> dict
         max_quarantine_fraction=dm.max_quarantine_fraction,
     ).runs
     return {tier: row["tgc_mean"] for tier, row in summarize(dm.tasks, runs).items()}
+
+
+class BaseSuccess(L.Callback):
+    """`success_by_tier` of the base policy, measured by rank 0 when training starts, before the first rollout (the
+    other ranks wait on the store, outside any collective); `result` is None on the other ranks."""
+
+    def __init__(self, samples_per_task: int):
+        self.samples_per_task, self.result = samples_per_task, None
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        if not trainer.is_global_zero:
+            wait_for_rank0("canopy/base_success", trainer.datamodule.rollout_timeout_s, "base-policy evaluation")
+            return
+        try:
+            self.result = success_by_tier(trainer.datamodule, self.samples_per_task, "evaluating base policy")
+        finally:
+            if trainer.world_size > 1:
+                rank0_done("canopy/base_success")
 
 
 def format_comparison(base: dict[str, float], final: dict[str, float]) -> str:
