@@ -13,7 +13,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from canopy.build import build_budget, build_engine, build_env, build_sampling, build_tokenizer, ensure_model
-from canopy.config import ConfigError, validate, validate_eval
+from canopy.config import ConfigError, mean_group_size, validate, validate_eval
 from canopy.envs.base import SystemicFaultError
 from canopy.eval.pilot import format_pilot, pilot_report
 from canopy.eval.runner import budget_label, checkpoint_weights, evaluation, sample_runs, write_results
@@ -77,7 +77,7 @@ def run(cfg: DictConfig, env, engine, tokenizer, tasks, out_dir: Path) -> None:
         groups = list(cfg.pilot_group_sizes)
         report = pilot_report(rates, cfg.tau, groups)
         (out_dir / "pilot.json").write_text(json.dumps(report, indent=2))
-        plot_coverage(out_dir / "fig2_coverage.png", cfg.algorithm.group_size, {t: p for t, (p, _) in rates.items()})
+        plot_coverage(out_dir / "fig2_coverage.png", mean_group_size(cfg), {t: p for t, (p, _) in rates.items()})
         print(
             f"\nPilot on {cfg.data.split} ({cfg.pilot_samples} rollouts per task, {budget_label(cfg.budget)}):\n"
             f"{format_pilot(report, groups)}\n\nwritten: {out_dir}/pilot.json, fig2_coverage.png"

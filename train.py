@@ -10,7 +10,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from canopy.build import build_datamodule, build_engine_handle, build_module, build_strategy, ensure_model
 from canopy.callbacks import build_callbacks
-from canopy.config import ConfigError, validate
+from canopy.config import ConfigError, mean_group_size, validate
 from canopy.envs.base import SystemicFaultError
 from canopy.mismatch import OffPolicyError
 from canopy.modules.canopy_module import silence_benign_warnings
@@ -80,7 +80,7 @@ def main(cfg: DictConfig) -> None:
             pass
         return
     final_dir = write_hf_checkpoint(final_weights, model_path, run_dir / "final_hf")
-    plots = training_plots(logger.log_dir, run_dir, cfg.algorithm.group_size)
+    plots = training_plots(logger.log_dir, run_dir, mean_group_size(cfg))
     if base is not None:
         final = success_by_tier(datamodule, samples, "evaluating final policy")
         table = write_summary(run_dir, base.result, final)

@@ -8,7 +8,7 @@ from omegaconf import DictConfig, OmegaConf
 from transformers import AutoTokenizer
 
 from canopy.config import ConfigError
-from canopy.datamodules.rollout import RolloutDataModule
+from canopy.datamodules.rollout import AdaptiveGroups, RolloutDataModule
 from canopy.envs import environment_factory, environment_kwargs
 from canopy.envs.pool import EnvironmentPool, PoolSettings
 from canopy.envs.worker import build_environment
@@ -117,7 +117,7 @@ def build_datamodule(
         tokenizer,
         split=cfg.data.split,
         tasks_per_step=cfg.data.tasks_per_step,
-        group_size=cfg.algorithm.group_size,
+        group_size=build_group_size(cfg),
         budget=build_budget(cfg),
         sampling=build_sampling(cfg),
         reward=cfg.algorithm.reward,
@@ -128,6 +128,15 @@ def build_datamodule(
         rollout_timeout_s=cfg.trainer.rollout_timeout_s,
         seed=cfg.seed,
     )
+
+
+def build_group_size(cfg: DictConfig) -> "int | AdaptiveGroups":
+    """`algorithm.group_size`: a fixed n, or (`auto`) the adaptive per-task sizes of `algorithm.adaptive_group`."""
+    a = cfg.algorithm
+    if a.group_size != "auto":
+        return a.group_size
+    g = a.adaptive_group
+    return AdaptiveGroups(cfg.data.tasks_per_step * g.mean, g.tau, g.floor, g.cap, g.decay)
 
 
 def build_module(cfg: DictConfig, model_path: str, engine: EngineHandle | None = None) -> CanopyModule:

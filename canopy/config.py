@@ -29,6 +29,12 @@ def is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def mean_group_size(cfg: DictConfig) -> int:
+    """Rollouts per task on average: `algorithm.group_size`, or with `auto` its `adaptive_group.mean`."""
+    a = cfg.algorithm
+    return a.adaptive_group.mean if a.group_size == "auto" else a.group_size
+
+
 def validate(cfg: DictConfig) -> None:
     """Check the keys the recipe depends on; raise ConfigError with the fix on the first bad one."""
     missing = sorted(OmegaConf.missing_keys(cfg))
@@ -37,10 +43,18 @@ def validate(cfg: DictConfig) -> None:
     a, d, b, s, o, t = cfg.algorithm, cfg.data, cfg.budget, cfg.sampling, cfg.optim, cfg.trainer
 
     require(
-        is_int(a.group_size) and a.group_size >= 2,
+        a.group_size == "auto" or (is_int(a.group_size) and a.group_size >= 2),
         f"algorithm.group_size={a.group_size}: group-relative advantages need >= 2 rollouts per task; set "
-        "algorithm.group_size >= 2",
+        "algorithm.group_size >= 2, or auto (Eq. 5 per task, algorithm.adaptive_group)",
     )
+    g = a.adaptive_group
+    require(
+        is_int(g.floor) and is_int(g.cap) and is_int(g.mean) and 2 <= g.floor <= g.mean <= g.cap,
+        f"algorithm.adaptive_group floor={g.floor} / mean={g.mean} / cap={g.cap}: need integers with "
+        "2 <= floor <= mean <= cap",
+    )
+    require(0 < g.tau < 1, f"algorithm.adaptive_group.tau={g.tau} must lie strictly between 0 and 1 (Eq. 5)")
+    require(0 <= g.decay <= 1, f"algorithm.adaptive_group.decay={g.decay} must lie in [0, 1]")
     require(
         isinstance(a.kl_coef, (int, float)) and a.kl_coef >= 0,
         f"algorithm.kl_coef={a.kl_coef} must be >= 0 (0 disables the KL anchor, the no_kl ablation)",
@@ -57,7 +71,7 @@ def validate(cfg: DictConfig) -> None:
     require(a.entropy_coef >= 0, f"algorithm.entropy_coef={a.entropy_coef} must be >= 0 (the recipe uses 0)")
     require(is_int(d.tasks_per_step) and d.tasks_per_step >= 1, f"data.tasks_per_step={d.tasks_per_step} must be >= 1")
     require(
-        is_int(a.minibatches_per_step) and 1 <= a.minibatches_per_step <= d.tasks_per_step * a.group_size,
+        is_int(a.minibatches_per_step) and 1 <= a.minibatches_per_step <= d.tasks_per_step * mean_group_size(cfg),
         f"algorithm.minibatches_per_step={a.minibatches_per_step}: use 1 (strict on-policy) up to the episodes per "
         "step",
     )

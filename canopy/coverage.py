@@ -33,3 +33,56 @@ def group_composition(successes: int, n: int) -> str:
     if successes == n:
         return "all_success"
     return "mixed"
+
+
+def allocate_rollouts(wanted: list[float], budget: int, floor: int, cap: int) -> list[int]:
+    """A step's `budget` rollouts split over its tasks in proportion to the group size each one `wanted` (Eq. 5 at
+    its success estimate), each between `floor` and `cap`, summing to `budget` exactly: the scale s with
+    sum(clip(s * wanted_i, floor, cap)) = budget by bisection, then the fractions rounded by largest remainder."""
+    if not len(wanted) * floor <= budget <= len(wanted) * cap:
+        raise ValueError(f"{budget} rollouts cannot give {len(wanted)} tasks between {floor} and {cap} each")
+
+    def sizes(scale: float) -> list[float]:
+        return [min(cap, max(floor, scale * w)) for w in wanted]
+
+    low, high = 0.0, cap / min(wanted)  # every task at its floor, then at its cap
+    for _ in range(200):
+        middle = (low + high) / 2
+        low, high = (middle, high) if sum(sizes(middle)) < budget else (low, middle)
+    exact = sizes(high)
+    counts = [math.floor(x) for x in exact]
+    by_remainder = sorted(range(len(exact)), key=lambda i: exact[i] - counts[i], reverse=True)
+    for i in by_remainder[: budget - sum(counts)]:  # sum(exact) = budget, so fewer than len(wanted) are left
+        counts[i] += 1
+    return counts
+
+
+class SuccessEstimates:
+    """Each task's running success rate for `algorithm.group_size=auto`: its own groups' outcomes, each older visit
+    discounted by `decay` (the policy moves), shrunk toward its tier's pooled rate by a prior worth `prior_weight`
+    rollouts, so that an unseen or all-fail task is never at p = 0. A tier seen nowhere yet is at 1/2 (the first
+    step then splits its rollouts evenly: the pilot)."""
+
+    def __init__(self, decay: float = 0.5, prior_weight: float = 2.0):
+        self.decay, self.prior_weight = decay, prior_weight
+        self.tasks: dict[str, list[float]] = {}  # task id -> [discounted successes, discounted rollouts]
+        self.tiers: dict[int, list[float]] = {}
+
+    def observe(self, task_id: str, tier: int, successes: int, rollouts: int) -> None:
+        """A scored group of the task: `successes` of its `rollouts` (quarantined episodes left out)."""
+        for table, key in ((self.tasks, task_id), (self.tiers, tier)):
+            s, n = table.get(key, (0.0, 0.0))
+            table[key] = [self.decay * s + successes, self.decay * n + rollouts]
+
+    def rate(self, task_id: str, tier: int) -> float:
+        s, n = self.tiers.get(tier, (0.0, 0.0))
+        tier_rate = (s + 0.5) / (n + 1.0)
+        s, n = self.tasks.get(task_id, (0.0, 0.0))
+        return (s + self.prior_weight * tier_rate) / (n + self.prior_weight)
+
+    def state_dict(self) -> dict:
+        return {"tasks": self.tasks, "tiers": {str(k): v for k, v in self.tiers.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.tasks = {k: list(v) for k, v in state["tasks"].items()}
+        self.tiers = {int(k): list(v) for k, v in state["tiers"].items()}

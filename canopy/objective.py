@@ -4,17 +4,22 @@ import torch
 
 
 def step_advantages(
-    rewards: torch.Tensor, quarantined: torch.Tensor, quarantine_as_failure: bool = False
+    rewards: torch.Tensor,
+    quarantined: torch.Tensor,
+    quarantine_as_failure: bool = False,
+    present: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Quarantine, then Eq. 3, for all of a step's groups at once: [G, n] rewards and quarantine flags -> [G, n].
 
     Quarantine precedes scoring (Appendix G): a quarantined episode leaves its group before the group's mean and
     POPULATION std (divide by n) are taken, and gets advantage 0; with `quarantine_as_failure` (the sensitivity
     ablation) it stays in the group with reward 0 instead. A degenerate group (all rewards equal, or fewer than
-    two left) gives all zeros, never NaN. A lone success among n gets exactly sqrt(n-1) (Appendix B).
+    two left) gives all zeros, never NaN. A lone success among n gets exactly sqrt(n-1) (Appendix B). Groups of
+    different sizes are padded to n; `present` marks their real entries (the padding takes no part, and gets 0).
     """
     quarantined = quarantined.to(torch.bool)
-    valid = torch.ones_like(quarantined) if quarantine_as_failure else ~quarantined
+    present = torch.ones_like(quarantined) if present is None else present.to(torch.bool)
+    valid = present & (torch.ones_like(quarantined) if quarantine_as_failure else ~quarantined)
     rewards = torch.where(quarantined, 0.0, rewards.to(torch.float64))
     count = valid.sum(-1, keepdim=True).clamp_min(1)
     mean = torch.where(valid, rewards, 0.0).sum(-1, keepdim=True) / count

@@ -61,6 +61,7 @@ def test_enlarged_budget_matches_appendix_i():
     "ablation,key,value",
     [
         ("n8", "algorithm.group_size", 8),
+        ("auto_group", "algorithm.group_size", "auto"),
         ("no_kl", "algorithm.kl_coef", 0.0),
         ("seq_mean", "algorithm.loss_aggregation", "seq-mean"),
         ("drop_hardest", "data.drop_hardest", True),
@@ -90,6 +91,10 @@ def test_each_ablation_changes_one_thing(ablation, key, value):
     "override,message",
     [
         ("algorithm.group_size=1", "group_size"),
+        ("algorithm.group_size=many", "or auto"),
+        ("algorithm.adaptive_group.floor=1", "2 <= floor <= mean <= cap"),
+        ("algorithm.adaptive_group.cap=8", "2 <= floor <= mean <= cap"),
+        ("algorithm.adaptive_group.tau=1.0", "adaptive_group.tau"),
         ("algorithm.kl_coef=-0.1", "kl_coef"),
         ("algorithm.loss_aggregation=sum", "loss_aggregation"),
         ("algorithm.reward=shaped", "reward"),
@@ -150,7 +155,7 @@ def test_cli_prints_one_line_and_fails():
     assert run.returncode != 0
     assert run.stderr.strip().splitlines() == [
         "config error: algorithm.group_size=1: group-relative advantages need >= 2 rollouts per task; "
-        "set algorithm.group_size >= 2"
+        "set algorithm.group_size >= 2, or auto (Eq. 5 per task, algorithm.adaptive_group)"
     ]
 
 

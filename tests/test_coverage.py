@@ -1,8 +1,16 @@
+import json
 import math
+import random
 
 import pytest
 
-from canopy.coverage import group_composition, group_size_for_coverage, signal_coverage
+from canopy.coverage import (
+    SuccessEstimates,
+    allocate_rollouts,
+    group_composition,
+    group_size_for_coverage,
+    signal_coverage,
+)
 
 
 def test_signal_coverage_matches_figure_2():
@@ -48,3 +56,43 @@ def test_group_composition():
     assert group_composition(0, 8) == "all_fail"
     assert group_composition(8, 8) == "all_success"
     assert group_composition(3, 8) == "mixed"
+
+
+def test_allocation_follows_eq5_within_floor_cap_and_budget():
+    """Rollouts in proportion to each task's Eq. 5 size, clipped to [floor, cap], summing to the budget exactly."""
+    wanted = [group_size_for_coverage(p, 0.9) for p in (0.02, 0.1, 0.5, 0.9)]  # 114, 22, 4, 1
+    sizes = allocate_rollouts(wanted, budget=128, floor=4, cap=64)
+    assert sum(sizes) == 128 and all(4 <= n <= 64 for n in sizes)
+    assert sizes == sorted(sizes, reverse=True)  # the hardest task gets the most, the easiest the floor
+    assert sizes[0] == 64 and sizes[-1] == 4  # the hardest task is capped, never dropped
+    assert allocate_rollouts([10, 10, 10], budget=31, floor=2, cap=32) in ([11, 10, 10], [10, 11, 10], [10, 10, 11])
+    assert allocate_rollouts([1, 1000], budget=10, floor=2, cap=8) == [2, 8]
+    assert allocate_rollouts([5, 5], budget=4, floor=2, cap=8) == [2, 2]  # the budget at its least
+    with pytest.raises(ValueError, match="cannot give 3 tasks between 4 and 8"):
+        allocate_rollouts([1, 2, 3], budget=10, floor=4, cap=8)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_allocation_always_meets_its_bounds(seed):
+    rng = random.Random(seed)
+    k, floor, cap = rng.randint(1, 30), rng.randint(2, 6), rng.randint(8, 70)
+    wanted = [rng.uniform(1, 200) for _ in range(k)]
+    budget = rng.randint(k * floor, k * cap)
+    sizes = allocate_rollouts(wanted, budget, floor, cap)
+    assert sum(sizes) == budget and all(floor <= n <= cap for n in sizes)
+    for a, b in zip(wanted, sizes):  # monotone: a task that wants more never gets fewer
+        assert all(b >= d for c, d in zip(wanted, sizes) if c < a)
+
+
+def test_success_estimates_shrink_discount_and_resume():
+    estimates = SuccessEstimates(decay=0.5, prior_weight=2.0)
+    assert estimates.rate("a", 3) == 0.5  # nothing seen: the pilot's even split
+    estimates.observe("a", 3, successes=0, rollouts=16)
+    assert estimates.rate("a", 3) == pytest.approx((0 + 2 * 0.5 / 17) / 18)  # all-fail, yet above 0
+    assert estimates.rate("b", 3) == pytest.approx(0.5 / 17)  # an unseen task of the tier: the tier's rate
+    estimates.observe("a", 3, successes=8, rollouts=8)
+    tier = (8 + 0.5) / (16 * 0.5 + 8 + 1)
+    assert estimates.rate("a", 3) == pytest.approx((8 + 2 * tier) / (8 + 8 + 2))  # the older visit counts half
+    resumed = SuccessEstimates(decay=0.5, prior_weight=2.0)
+    resumed.load_state_dict(json.loads(json.dumps(estimates.state_dict())))
+    assert resumed.rate("a", 3) == estimates.rate("a", 3) and resumed.rate("c", 1) == estimates.rate("c", 1)

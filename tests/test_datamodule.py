@@ -3,9 +3,10 @@ import math
 import pytest
 import torch
 
-from canopy.datamodules.rollout import RolloutDataModule, StepStats, pack, score_groups
+from canopy.datamodules.rollout import AdaptiveGroups, RolloutDataModule, StepStats, pack, score_groups
 from canopy.envs.base import Task, Verdict
 from canopy.envs.embedded import EmbeddedEnvironment
+from canopy.objective import group_advantages
 from canopy.rollout.agent_loop import Budget, Trajectory
 from canopy.rollout.engine import SamplingParams
 from tests.scripted import ScriptedEngine
@@ -59,6 +60,46 @@ def test_score_groups_refuses_a_lost_episode():
         score_groups([trajectory(a, i, True) for i in range(3)], 4, "sparse")
     with pytest.raises(RuntimeError, match="same-task"):
         score_groups([trajectory(a, 0, True), trajectory(Task("b", 1, "s"), 1, True)], 2, "sparse")
+
+
+def test_groups_of_different_sizes_each_get_their_own_eq3():
+    """`group_size=auto` gives each task its own n: each group is standardized on its own (population std over its
+    survivors), exactly as it would be alone."""
+    a, b, c = Task("a", 3, "s"), Task("b", 1, "s"), Task("c", 2, "s")
+    trajectories = [trajectory(a, 0, True)] + [trajectory(a, i, False) for i in range(1, 6)]
+    trajectories += [trajectory(b, 0, True), trajectory(b, 1, False)]
+    trajectories += [trajectory(c, 0, False), trajectory(c, 1, quarantine="worker_dead"), trajectory(c, 2, True)]
+    survivors, advantages, stats = score_groups(trajectories, [6, 2, 3], "sparse")
+    assert len(survivors) == 10
+    expected = []
+    for group in ([1.0, 0, 0, 0, 0, 0], [1.0, 0.0], [0.0, 1.0]):
+        expected += group_advantages(torch.tensor(group), torch.ones(len(group), dtype=torch.bool)).tolist()
+    assert advantages.tolist() == pytest.approx(expected)
+    assert advantages[0].item() == pytest.approx(math.sqrt(5))  # a lone success among 6 (Appendix B)
+    assert stats["coverage/group_size_tier3"] == 6 and stats["coverage/group_size_tier2"] == 3
+    step = StepStats.of(trajectories, [6, 2, 3])
+    assert step.scored_sizes_by_tier == {1: [2], 2: [2], 3: [6]} and step.groups_by_tier == {1: 1, 2: 1, 3: 1}
+    with pytest.raises(RuntimeError, match="11 episodes for groups of 10 rollouts in all"):
+        score_groups(trajectories, [6, 2, 2], "sparse")
+
+
+def test_adaptive_groups_give_the_starved_task_more_under_a_fixed_budget(tokenizer):
+    """The first step splits the rollouts evenly (the pilot); then each task's group follows Eq. 5 at its own
+    success estimate: the task that failed every rollout gets the most, the one that always succeeds the floor."""
+    groups = AdaptiveGroups(rollouts_per_step=24, tau=0.9, floor=2, cap=16, decay=0.5)
+    dm = datamodule(tokenizer, ScriptedEngine(tokenizer, ["login"]), tasks_per_step=3, group_size=groups)
+    tasks = dm.sample_tasks()
+    assert groups.sizes(tasks) == [8, 8, 8]
+    hard, easy, middling = tasks
+    groups.observe([[trajectory(hard, i, False) for i in range(8)], [trajectory(easy, i, True) for i in range(8)]])
+    groups.observe([[trajectory(middling, i, i < 4) for i in range(8)]])
+    sizes = groups.sizes(tasks)
+    assert sum(sizes) == 24 and sizes[0] == max(sizes) and sizes[1] == 2 and sizes[0] > sizes[2] > sizes[1]
+    batch = dm.next_batch()  # a whole step: its episodes number the budget, each group its own allotment
+    assert (
+        batch.metrics["rollout/episodes"] == 24 and sum(sum(v) for v in batch.stats.scored_sizes_by_tier.values()) == 24
+    )
+    assert dm.state_dict()["success_estimates"] == groups.estimates.state_dict()
 
 
 def test_pack_and_micro_batches_cover_every_sequence_once():
@@ -129,7 +170,7 @@ def test_step_stats_are_what_the_callbacks_read():
     a, b = Task("a", 1, "s"), Task("b", 3, "s")
     trajectories = [trajectory(a, 0, True), trajectory(a, 1, False), trajectory(a, 2, quarantine="worker_killed")]
     trajectories += [trajectory(a, 3, True)] + [trajectory(b, i, False) for i in range(4)]
-    stats = StepStats.of(trajectories, group_size=4)
+    stats = StepStats.of(trajectories, 4)
     assert (stats.episodes, stats.quarantined) == (8, {"worker_killed": 1})
     assert stats.success_by_tier == {1: 2 / 3, 3: 0.0} and stats.groups_by_tier == {1: 1, 3: 1}
     assert stats.scored_per_group == 3.5

@@ -132,6 +132,19 @@ def test_half_minibatch_run_counts_rollout_steps(tmp_path):
 
 
 @pytest.mark.slow
+def test_auto_group_sizes_run_under_the_fixed_rollout_budget(tmp_path):
+    """`ablation=auto_group`: every step runs tasks_per_step x adaptive_group.mean episodes, split by Eq. 5 per task
+    (the first step evenly: the pilot), and logs each tier's mean group size and its Eq. 4 coverage."""
+    overrides = ("ablation=auto_group", "algorithm.adaptive_group.mean=4", "algorithm.adaptive_group.floor=2")
+    run_dir, _ = train(tmp_path, 3, *overrides, "report.eval_samples_per_task=0")
+    scalars = read_scalars(run_dir / "tensorboard")
+    assert [v for _, v in scalars["rollout/episodes"]] == [16.0, 16.0, 16.0]
+    tiers = [tag for tag in scalars if tag.startswith("coverage/group_size_tier")]
+    assert tiers and all(2 <= v <= 16 for tag in tiers for _, v in scalars[tag])
+    assert all(tag.replace("group_size", "psig") in scalars for tag in tiers)  # Eq. 4 at each tier's own sizes
+
+
+@pytest.mark.slow
 def test_audit_and_its_config_stop_the_run_with_one_line(tmp_path):
     """A parity bound the engine cannot meet stops the run before any update with the audit's one-line message;
     an engine dtype with no bounds is a config error."""

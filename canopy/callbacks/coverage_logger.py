@@ -8,16 +8,17 @@ from canopy.datamodules.rollout import StepStats
 
 
 def predicted_coverage(stats: StepStats) -> dict[str, float]:
-    """`coverage/psig_tier<K>` per tier, from the tier's success rate p and the scored rollouts per group n, and
-    their group-weighted mean `coverage/psig`."""
-    n = max(1, round(stats.scored_per_group))
+    """`coverage/psig_tier<K>` per tier: P_sig at the tier's success rate p, averaged over its groups' scored
+    rollouts n (one n for all with a fixed group size; each task's own with `group_size=auto`), and their
+    group-weighted mean `coverage/psig`."""
     out, weighted, groups = {}, 0.0, 0
-    for tier, count in stats.groups_by_tier.items():
+    for tier, sizes in stats.scored_sizes_by_tier.items():
         if tier not in stats.success_by_tier:
             continue
-        out[f"coverage/psig_tier{tier}"] = signal_coverage(stats.success_by_tier[tier], n)
-        weighted += out[f"coverage/psig_tier{tier}"] * count
-        groups += count
+        p = stats.success_by_tier[tier]
+        out[f"coverage/psig_tier{tier}"] = sum(signal_coverage(p, max(1, n)) for n in sizes) / len(sizes)
+        weighted += out[f"coverage/psig_tier{tier}"] * len(sizes)
+        groups += len(sizes)
     if groups:
         out["coverage/psig"] = weighted / groups
     return out

@@ -15,7 +15,7 @@ import lightning as L
 import torch
 import torch.distributed as dist
 
-from canopy.coverage import group_composition
+from canopy.coverage import SuccessEstimates, allocate_rollouts, group_composition, group_size_for_coverage
 from canopy.envs.base import Environment, SystemicFaultError, Task
 from canopy.modules.parallel import data_parallel_rank, rank0_done, wait_for_rank0
 from canopy.objective import step_advantages
@@ -76,31 +76,46 @@ class RolloutBatch:
 
 
 def score_groups(
-    trajectories: list[Trajectory], group_size: int, reward_kind: str, quarantine_as_failure: bool = False
+    trajectories: list[Trajectory], group_sizes: int | list[int], reward_kind: str, quarantine_as_failure: bool = False
 ) -> tuple[list[Trajectory], torch.Tensor, dict[str, float]]:
-    """Quarantine, then reward, then Eq. 3 (`step_advantages`) over the step's groups of `group_size` consecutive
-    same-task episodes. Returns the survivors, their advantages and, computed beside them, the groups'
-    composition (`coverage_metrics`).
+    """Quarantine, then reward, then Eq. 3 (`step_advantages`) over the step's groups of consecutive same-task
+    episodes (`group_sizes`: one n for all, or each group's). Returns the survivors, their advantages and,
+    computed beside them, the groups' composition (`coverage_metrics`).
 
     With `quarantine_as_failure` (the sensitivity ablation of Appendix G) quarantined episodes are scored 0
     instead of removed; they carry no tokens either way, since their trajectory is not the policy's doing.
     """
-    groups = same_task_groups(trajectories, group_size)
-    quarantined = torch.tensor([t.quarantine is not None for t in trajectories]).reshape(len(groups), group_size)
-    rewards = torch.tensor([0.0 if t.quarantine is not None else t.reward(reward_kind) for t in trajectories])
-    advantages = step_advantages(rewards.reshape(len(groups), group_size), quarantined, quarantine_as_failure)
+    groups = same_task_groups(trajectories, group_sizes)
+    shape = (len(groups), max(len(group) for group in groups))
+    present, quarantined, rewards = (
+        torch.zeros(shape, dtype=torch.bool),
+        torch.zeros(shape, dtype=torch.bool),
+        torch.zeros(shape),
+    )
+    for g, group in enumerate(groups):
+        present[g, : len(group)] = True
+        quarantined[g, : len(group)] = torch.tensor([t.quarantine is not None for t in group])
+        rewards[g, : len(group)] = torch.tensor([0.0 if t.quarantine else t.reward(reward_kind) for t in group])
+    advantages = step_advantages(rewards, quarantined, quarantine_as_failure, present)
     survivors = [t for t in trajectories if t.quarantine is None]
-    return survivors, advantages[~quarantined], coverage_metrics(groups)
+    return survivors, advantages[present & ~quarantined], coverage_metrics(groups)
 
 
-def same_task_groups(trajectories: list[Trajectory], group_size: int) -> list[list[Trajectory]]:
-    """The step's groups: `group_size` consecutive episodes of one task each. A lost episode, or a group that
-    mixes tasks, is an error, never a silent drop."""
-    if len(trajectories) % group_size:
+def same_task_groups(trajectories: list[Trajectory], group_sizes: int | list[int]) -> list[list[Trajectory]]:
+    """The step's groups: consecutive episodes of one task each, `group_sizes` of them (one n for all, or each
+    group's). A lost episode, or a group that mixes tasks, is an error, never a silent drop."""
+    if isinstance(group_sizes, int):
+        if len(trajectories) % group_sizes:
+            raise RuntimeError(
+                f"{len(trajectories)} episodes do not form whole groups of {group_sizes}: an episode was lost"
+            )
+        group_sizes = [group_sizes] * (len(trajectories) // group_sizes)
+    if len(trajectories) != sum(group_sizes):
         raise RuntimeError(
-            f"{len(trajectories)} episodes do not form whole groups of {group_size}: an episode was lost"
+            f"{len(trajectories)} episodes for groups of {sum(group_sizes)} rollouts in all: an episode was lost"
         )
-    groups = [trajectories[i : i + group_size] for i in range(0, len(trajectories), group_size)]
+    starts = [sum(group_sizes[:g]) for g in range(len(group_sizes))]
+    groups = [trajectories[start : start + n] for start, n in zip(starts, group_sizes)]
     for group in groups:
         if len({t.task.task_id for t in group}) != 1:
             raise RuntimeError(
@@ -128,6 +143,8 @@ def coverage_metrics(groups: list[list[Trajectory]]) -> dict[str, float]:
     stats["coverage/group_size"] = sum(t.quarantine is None for group in groups for t in group) / n_groups
     for tier, counter in sorted(by_tier.items()):
         stats[f"coverage/groups_tier{tier}"] = sum(counter.values())
+        tier_groups = [group for group in groups if group[0].task.tier == tier]
+        stats[f"coverage/group_size_tier{tier}"] = sum(len(group) for group in tier_groups) / len(tier_groups)
         for kind in ("all_fail", "all_success", "mixed"):
             stats[f"coverage/{kind}_tier{tier}"] = counter[kind] / max(1, sum(counter.values()))
     return stats
@@ -142,21 +159,48 @@ class StepStats:
     success_by_tier: dict[int, float] = field(default_factory=dict)  # success rate of the scored episodes
     groups_by_tier: dict[int, int] = field(default_factory=dict)
     scored_per_group: float = 0.0  # rollouts left per group after quarantine: Eq. 4's n
+    scored_sizes_by_tier: dict[int, list[int]] = field(default_factory=dict)  # each group's n, by tier
 
     @classmethod
-    def of(cls, trajectories: list[Trajectory], group_size: int) -> "StepStats":
+    def of(cls, trajectories: list[Trajectory], group_sizes: int | list[int]) -> "StepStats":
         scored = [t for t in trajectories if t.quarantine is None]
         outcomes: dict[int, list[bool]] = defaultdict(list)
         for t in scored:
             outcomes[t.task.tier].append(t.verdict is not None and t.verdict.success)
-        groups = Counter(t.task.tier for t in trajectories[::group_size])
+        groups = same_task_groups(trajectories, group_sizes)
+        sizes: dict[int, list[int]] = defaultdict(list)
+        for group in groups:
+            sizes[group[0].task.tier].append(sum(t.quarantine is None for t in group))
         return cls(
             episodes=len(trajectories),
             quarantined=dict(Counter(t.quarantine for t in trajectories if t.quarantine is not None)),
             success_by_tier={tier: sum(v) / len(v) for tier, v in sorted(outcomes.items())},
-            groups_by_tier=dict(sorted(groups.items())),
-            scored_per_group=len(scored) / max(1, len(trajectories) // group_size),
+            groups_by_tier={tier: len(v) for tier, v in sorted(sizes.items())},
+            scored_per_group=len(scored) / max(1, len(groups)),
+            scored_sizes_by_tier=dict(sorted(sizes.items())),
         )
+
+
+class AdaptiveGroups:
+    """`algorithm.group_size=auto` (beyond the paper): each task's group size from Eq. 5 at its running success
+    estimate (`SuccessEstimates`: a pilot even split on first sight, then its own groups), the step's fixed
+    `rollouts_per_step` split over its tasks in proportion (`allocate_rollouts`), between `floor` and `cap`: the
+    hardest tasks get the most rollouts and every sampled task keeps at least `floor` (none is dropped)."""
+
+    def __init__(self, rollouts_per_step: int, tau: float, floor: int, cap: int, decay: float):
+        self.rollouts_per_step, self.tau, self.floor, self.cap = rollouts_per_step, tau, floor, cap
+        self.estimates = SuccessEstimates(decay)
+
+    def sizes(self, tasks: list[Task]) -> list[int]:
+        wanted = [group_size_for_coverage(self.estimates.rate(t.task_id, t.tier), self.tau) for t in tasks]
+        return allocate_rollouts(wanted, self.rollouts_per_step, self.floor, self.cap)
+
+    def observe(self, groups: list[list[Trajectory]]) -> None:
+        """Each group's scored outcomes (quarantined episodes left out) update its task's estimate."""
+        for group in groups:
+            scored = [t for t in group if t.quarantine is None]
+            successes = sum(t.verdict is not None and t.verdict.success for t in scored)
+            self.estimates.observe(group[0].task.task_id, group[0].task.tier, successes, len(scored))
 
 
 def pack(trajectories: list[Trajectory], advantages: torch.Tensor, pad_token_id: int) -> RolloutBatch:
@@ -283,7 +327,8 @@ def relayable(error: Exception) -> Exception:
 
 
 class RolloutDataModule(L.LightningDataModule):
-    """Samples `tasks_per_step` tasks, runs `group_size` rollouts of each, scores and packs them.
+    """Samples `tasks_per_step` tasks, runs `group_size` rollouts of each (or, given `AdaptiveGroups`, as many as
+    it allots each task), scores and packs them.
 
     `engine` is the run's `EngineHandle` (or an engine, or a zero-argument function that builds one, wrapped in
     a handle here): with several processes only global rank 0 generates, so the other ranks never build one.
@@ -297,7 +342,7 @@ class RolloutDataModule(L.LightningDataModule):
         *,
         split: str,
         tasks_per_step: int,
-        group_size: int,
+        group_size: "int | AdaptiveGroups",
         budget: Budget,
         sampling: SamplingParams,
         reward: str = "sparse",
@@ -365,8 +410,11 @@ class RolloutDataModule(L.LightningDataModule):
         return RolloutStream(self, -(-trainer.max_steps // updates))
 
     def state_dict(self) -> dict:
-        """Where the task sampler stands and the engine's sampling RNG: with the module's state, an exact resume."""
+        """Where the task sampler stands, the adaptive groups' success estimates and the engine's sampling RNG: with
+        the module's state, an exact resume."""
         state = {"sampler": dict(self.sampler_state), "step": self.step}
+        if isinstance(self.group_size, AdaptiveGroups):
+            state["success_estimates"] = self.group_size.estimates.state_dict()
         generator = getattr(self.engine, "generator", None) if self.generates else None
         if generator is not None:
             state["engine_rng"] = generator.get_state()
@@ -374,6 +422,8 @@ class RolloutDataModule(L.LightningDataModule):
 
     def load_state_dict(self, state: dict) -> None:
         self.sampler_state, self.step = dict(state["sampler"]), state["step"]
+        if "success_estimates" in state and isinstance(self.group_size, AdaptiveGroups):
+            self.group_size.estimates.load_state_dict(state["success_estimates"])
         if "engine_rng" in state and self.generates:
             self.engine.generator.set_state(state["engine_rng"])
 
@@ -394,7 +444,9 @@ class RolloutDataModule(L.LightningDataModule):
 
     def next_batch(self) -> RolloutBatch:
         tasks = self.sample_tasks()
-        jobs = [(task, i) for task in tasks for i in range(self.group_size)]
+        adaptive = isinstance(self.group_size, AdaptiveGroups)
+        sizes = self.group_size.sizes(tasks) if adaptive else [self.group_size] * len(tasks)
+        jobs = [(task, i) for task, n in zip(tasks, sizes) for i in range(n)]
         trajectories, timings = run_episodes(
             self.engine,
             self.env,
@@ -411,16 +463,16 @@ class RolloutDataModule(L.LightningDataModule):
             getattr(self.env, "max_concurrent_episodes", None),
             f"rollout step {self.step}",
         )
-        survivors, advantages, coverage = score_groups(
-            trajectories, self.group_size, self.reward, self.quarantine_as_failure
-        )
+        survivors, advantages, coverage = score_groups(trajectories, sizes, self.reward, self.quarantine_as_failure)
+        if adaptive:
+            self.group_size.observe(same_task_groups(trajectories, sizes))
         if not survivors:
             raise RuntimeError(
                 f"rollout step {self.step}: every episode was quarantined; check the environment workers"
             )
         batch = pack(survivors, advantages, self.tokenizer.pad_token_id)
         batch.metrics = {**rollout_metrics(trajectories, self.reward), **coverage}
-        batch.stats = StepStats.of(trajectories, self.group_size)
+        batch.stats = StepStats.of(trajectories, sizes)
         batch.metrics.update({f"time/{k}": v for k, v in timings.items()})
         self.step += 1
         return batch
