@@ -42,13 +42,13 @@ def build_env(cfg: DictConfig, log_dir: str | Path | None = None):
     run's `env_logs/`); behind such a pool on each node of a Ray cluster when `env.ray.address` is set."""
     kwargs = environment_kwargs(cfg.env)
     factory = environment_factory(cfg.env.name)
+    settings = PoolSettings(**OmegaConf.to_container(cfg.env.pool))
     if cfg.env.ray.address is not None:
         from canopy.envs.ray_pool import RayEnvironment  # imports ray only when it joins the cluster
 
-        settings = PoolSettings(**OmegaConf.to_container(cfg.env.pool))
         return RayEnvironment(factory, kwargs, settings, log_dir=log_dir, **OmegaConf.to_container(cfg.env.ray))
-    if cfg.env.pool.workers:
-        return EnvironmentPool(factory, kwargs, PoolSettings(**OmegaConf.to_container(cfg.env.pool)), log_dir=log_dir)
+    if settings.workers:
+        return EnvironmentPool(factory, kwargs, settings, log_dir=log_dir)
     return build_environment(factory, kwargs)
 
 

@@ -72,6 +72,7 @@ def rank_main(rank: int, port: int, scenario: str, out: str) -> None:
     dm.failure = SystemicFaultError("the environment's workers cannot start") if scenario == "failure" else None
     module = SimpleNamespace(parallel_dims=dims, updates_per_batch=1)
     dm.trainer = SimpleNamespace(world_size=2, is_global_zero=rank == 0, global_rank=rank, lightning_module=module)
+    dm.trainer.datamodule = dm
     stream, result = RolloutStream(dm), {"rows": []}
     try:
         for _ in range(2):
@@ -80,7 +81,6 @@ def rank_main(rank: int, port: int, scenario: str, out: str) -> None:
         # then rank 0 evaluates for ROLLOUT_S (budget transfer), and every rank meets in a collective
         callback = BudgetTransferEval.__new__(BudgetTransferEval)
         callback.evaluations, callback._evaluate_on_rank0 = 0, lambda *args: time.sleep(ROLLOUT_S) or [{"tgc": 1}]
-        dm.trainer.datamodule = dm
         result["evaluated"] = callback.evaluate(dm.trainer, module)
         dist.barrier()
     except Exception as error:  # noqa: BLE001 (the test reads what each rank raised)

@@ -10,7 +10,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from canopy.build import build_budget, build_sampling
 from canopy.eval.runner import budget_label, evaluation, sample_runs, with_budget, write_results
-from canopy.modules.parallel import rank0_done, wait_for_rank0
+from canopy.modules.parallel import alone_on_rank0
 from canopy.tools.plots import plot_budget_transfer
 
 
@@ -54,15 +54,13 @@ class BudgetTransferEval(L.Callback):
             relaunch = trainer.strategy.broadcast(relaunch, src=0) if trainer.world_size > 1 else relaunch
             weights = dict(pl_module.iter_hf_weights()) if relaunch else None
         self.evaluations += 1
-        done = f"canopy/eval/{self.evaluations}"
-        if not trainer.is_global_zero:  # wait outside any collective while rank 0 evaluates
-            wait_for_rank0(done, trainer.datamodule.rollout_timeout_s, "evaluation")
-            return []
-        try:
-            return self._evaluate_on_rank0(trainer, pl_module, final, weights)
-        finally:
-            if trainer.world_size > 1:
-                rank0_done(done)
+        results = alone_on_rank0(
+            trainer,
+            f"canopy/eval/{self.evaluations}",
+            "evaluation",
+            lambda: self._evaluate_on_rank0(trainer, pl_module, final, weights),
+        )
+        return results if trainer.is_global_zero else []
 
     def _evaluate_on_rank0(self, trainer, pl_module, final: bool, weights: dict | None) -> list[dict]:
         """Each budget's evaluation on the run's engine, or (`final`) on servers relaunched for it with `weights`."""

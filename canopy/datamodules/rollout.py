@@ -7,6 +7,7 @@ that sampled it, which the module checks against its own before it learns from t
 """
 
 import functools
+import itertools
 import random
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
@@ -17,7 +18,7 @@ import torch.distributed as dist
 
 from canopy.coverage import SuccessEstimates, allocate_rollouts, group_composition, group_size_for_coverage
 from canopy.envs.base import Environment, SystemicFaultError, Task
-from canopy.modules.parallel import data_parallel_rank, rank0_done, wait_for_rank0
+from canopy.modules.parallel import alone_on_rank0, data_parallel_rank
 from canopy.objective import step_advantages
 from canopy.rollout.agent_loop import Budget, Trajectory, run_episodes
 from canopy.rollout.engine import EngineHandle, SamplingParams
@@ -114,8 +115,8 @@ def same_task_groups(trajectories: list[Trajectory], group_sizes: int | list[int
         raise RuntimeError(
             f"{len(trajectories)} episodes for groups of {sum(group_sizes)} rollouts in all: an episode was lost"
         )
-    starts = [sum(group_sizes[:g]) for g in range(len(group_sizes))]
-    groups = [trajectories[start : start + n] for start, n in zip(starts, group_sizes)]
+    ends = list(itertools.accumulate(group_sizes))
+    groups = [trajectories[end - n : end] for end, n in zip(ends, group_sizes)]
     for group in groups:
         if len({t.task.task_id for t in group}) != 1:
             raise RuntimeError(
@@ -271,17 +272,17 @@ class RolloutStream:
         if trainer is None or trainer.world_size == 1:
             return dm.next_batch()
         layout = dm.shard_layout
-        ready = f"canopy/rollout/{dm.batches_delivered}"
+        key = f"canopy/rollout/{dm.batches_delivered}"
         dm.batches_delivered += 1
-        shards, failure = None, None
-        if trainer.is_global_zero:
+
+        def deal_rows():  # (each shard's rows, None), or (rank 0's error as each rank should raise it, the error)
             try:
-                shards = split_rows(dm.next_batch(), layout.dp_size, layout.min_rows)
+                return split_rows(dm.next_batch(), layout.dp_size, layout.min_rows), None
             except Exception as error:  # noqa: BLE001 (relayed to every rank, then raised here too)
-                failure, shards = error, [relayable(error)] * layout.dp_size
-            rank0_done(ready)
-        else:
-            wait_for_rank0(ready, dm.rollout_timeout_s, "rollout step")
+                return [relayable(error)] * layout.dp_size, error
+
+        dealt = alone_on_rank0(trainer, key, "rollout step", deal_rows)
+        shards, failure = dealt or (None, None)
         received = [None]
         to_ranks = [shards[shard] for shard in layout.shard_of_rank] if shards is not None else None
         dist.scatter_object_list(received, to_ranks, src=0)

@@ -83,7 +83,6 @@ class CanopyModule(L.LightningModule):
         self.parallel_dims = None  # TorchTitan's meshes when the policy is sharded
         self.weight_version = 0  # rollout batches consumed = weight syncs sent to the engine
         self.update_stats: dict[str, float] = {}  # the update about to be applied, reduced (read by OnPolicyAudit)
-        self.batch_action_tokens = 0.0  # the step's action tokens over every shard
 
     @property
     def updates_per_batch(self) -> int:
@@ -242,7 +241,7 @@ class CanopyModule(L.LightningModule):
         """Section 3.3: a fresh rollout batch, the frozen reference's logprobs, ONE optimizer step on Eq. 8, then
         the new weights to the engine, so that the next batch is sampled from them (strictly on-policy). Sharded,
         `rows` are this data-parallel shard's episodes only (`RolloutStream` deals them out)."""
-        rows = self._fresh_batch(dataloader_iter)
+        rows, action_tokens = self._fresh_batch(dataloader_iter)
         micro_batches = self._micro_batches(rows)
 
         started = time.perf_counter()
@@ -258,12 +257,13 @@ class CanopyModule(L.LightningModule):
         self.engine.sync(self.iter_hf_weights(), self.weight_version, self.trainer.is_global_zero)
         timings["time/weight_sync"] = time.perf_counter() - started
 
-        self._log_step(rows, metrics, timings)
+        self._log_step(rows, {**metrics, "actor/action_tokens": action_tokens}, timings)
 
-    def _fresh_batch(self, dataloader_iter) -> RolloutBatch:
-        """This rank's rows of the batch generated for this step, on this device. Every sampled token carries the
-        weight version the engine sampled it with; a token from any version but the policy's current one is
-        refused, on every rank at once (the count is summed over the shards)."""
+    def _fresh_batch(self, dataloader_iter) -> tuple[RolloutBatch, float]:
+        """This rank's rows of the batch generated for this step, on this device, and the batch's action tokens over
+        every shard. Every sampled token carries the weight version the engine sampled it with; a token from any
+        version but the policy's current one is refused, on every rank at once (the count is summed over the
+        shards)."""
         batch, _, _ = next(dataloader_iter)
         batch = move_data_to_device(batch, self.device)  # a `dataloader_iter` step gets its batch as generated
         versions = batch.token_versions[batch.action_mask]
@@ -278,8 +278,7 @@ class CanopyModule(L.LightningModule):
                 f"but the policy is at version {self.weight_version}: the engine missed a weight sync (check the "
                 "engine's log); strict on-policy training needs every token sampled by the current weights"
             )
-        self.batch_action_tokens = counts["tokens"]
-        return batch
+        return batch, counts["tokens"]
 
     def _optimizer_step(self, batch: RolloutBatch, micro_batches, ref_logprobs: torch.Tensor) -> dict[str, float]:
         """One optimizer step over the whole batch (micro-batches only accumulate gradients); the step's metrics,
@@ -314,7 +313,7 @@ class CanopyModule(L.LightningModule):
 
     def _log_step(self, batch: RolloutBatch, metrics: dict[str, float], timings: dict[str, float]) -> None:
         """The step's actor metrics, the batch's rollout metrics and the phase timings; success and KL on the bar."""
-        logged = {**metrics, "actor/action_tokens": self.batch_action_tokens, **batch.metrics, **timings}
+        logged = {**metrics, **batch.metrics, **timings}
         self.log_dict(logged, on_step=True, on_epoch=False, batch_size=len(batch.lengths))
         self.log_dict(
             {"success": logged.get("reward/success", 0.0), "kl": logged["actor/kl"]},

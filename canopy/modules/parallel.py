@@ -274,18 +274,24 @@ def split(placement, ranks: int) -> bool:
     return not placement.is_replicate() and ranks > 1
 
 
-def rank0_done(key: str) -> None:
-    """Tell the other ranks, through the process group's store, that rank 0 finished the work named `key`."""
-    dist.distributed_c10d._get_default_store().set(key, "1")
-
-
-def wait_for_rank0(key: str, timeout_s: float, what: str) -> None:
-    """Wait for `rank0_done(key)` on the process group's store, outside any collective (whose timeout is sized for
-    collectives, not for a rollout step or an evaluation), for at most `timeout_s`; then one line naming the key."""
+def alone_on_rank0(trainer, key: str, what: str, work):
+    """`work()` on global rank 0 while the other ranks wait for it on the process group's store, outside any
+    collective (whose timeout is sized for collectives, not for a rollout step or an evaluation), for at most the
+    data module's `rollout_timeout_s`, then stop with one line naming the key. `work`'s result on rank 0, None
+    elsewhere; `key` names this piece of work uniquely (every rank counts its pieces alike)."""
+    store = dist.distributed_c10d._get_default_store() if trainer.world_size > 1 else None
+    if not trainer.is_global_zero:
+        timeout_s = trainer.datamodule.rollout_timeout_s
+        try:
+            store.wait([key], timedelta(seconds=timeout_s))
+        except RuntimeError as error:
+            raise RuntimeError(
+                f"rank {dist.get_rank()} waited {timeout_s} s for rank 0's {what} and gave up ({error}): raise "
+                "trainer.rollout_timeout_s, or see rank 0's log for why it stopped"
+            ) from None
+        return None
     try:
-        dist.distributed_c10d._get_default_store().wait([key], timedelta(seconds=timeout_s))
-    except RuntimeError as error:
-        raise RuntimeError(
-            f"rank {dist.get_rank()} waited {timeout_s} s for rank 0's {what} and gave up ({error}): raise "
-            "trainer.rollout_timeout_s, or see rank 0's log for why it stopped"
-        ) from None
+        return work()
+    finally:
+        if store is not None:
+            store.set(key, "1")

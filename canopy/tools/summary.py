@@ -7,7 +7,7 @@ import lightning as L
 
 from canopy.eval.metrics import summarize
 from canopy.eval.runner import sample_runs
-from canopy.modules.parallel import rank0_done, wait_for_rank0
+from canopy.modules.parallel import alone_on_rank0
 
 
 def success_by_tier(datamodule, samples_per_task: int, description: str) -> dict[str, float]:
@@ -36,14 +36,12 @@ class BaseSuccess(L.Callback):
         self.samples_per_task, self.result = samples_per_task, None
 
     def on_train_start(self, trainer, pl_module) -> None:
-        if not trainer.is_global_zero:
-            wait_for_rank0("canopy/base_success", trainer.datamodule.rollout_timeout_s, "base-policy evaluation")
-            return
-        try:
-            self.result = success_by_tier(trainer.datamodule, self.samples_per_task, "evaluating base policy")
-        finally:
-            if trainer.world_size > 1:
-                rank0_done("canopy/base_success")
+        self.result = alone_on_rank0(
+            trainer,
+            "canopy/base_success",
+            "base-policy evaluation",
+            lambda: success_by_tier(trainer.datamodule, self.samples_per_task, "evaluating base policy"),
+        )
 
 
 def format_comparison(base: dict[str, float], final: dict[str, float]) -> str:
