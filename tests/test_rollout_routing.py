@@ -99,13 +99,19 @@ def test_a_dying_server_is_ejected_then_readmitted_and_no_episode_is_lost(tiny_p
         victim.stop()
         while engine.routing["ejections"] == 0:
             time.sleep(0.005)
-        servers[0] = FakeSGLang(port=port)  # the same server back
+        restarted = FakeSGLang(port=port)  # back, but with other weights: it stays out until it has ours
+        time.sleep(0.3)
+        readmitted_while_stale.append(engine.routing["readmissions"])
+        restarted.version = "0"  # re-synced
+        servers[0] = restarted
 
+    readmitted_while_stale = []
     saboteur = threading.Thread(target=kill_then_revive)
     saboteur.start()
     env = CountdownEnvironment(step_s=0.01)
     trajectories, _ = run_episodes(engine, env, tokenizer, jobs(24, 8), BUDGET, SamplingParams())
     saboteur.join()
+    assert readmitted_while_stale == [0]  # healthy but on other weights: not re-admitted
     assert len(trajectories) == 24 and all(t.verdict == Verdict(1, 1) for t in trajectories)  # none lost
     assert engine.routing["ejections"] == 1
     deadline = time.monotonic() + 5

@@ -559,7 +559,8 @@ class SGLangEngine:
             return server
 
     def _eject(self, server: _Server) -> None:
-        """Take a failing server out of routing; the health watcher re-admits it once /health answers. The gateway
+        """Take a failing server out of routing; the health watcher re-admits it once /health answers and it serves the
+        engine's weight version. The gateway
         is never ejected: it routes around its own failing servers, and its requests are retried like any other."""
         with self.lock:
             if server.ejected or server is self.router:
@@ -578,9 +579,12 @@ class SGLangEngine:
                 return
             time.sleep(self.health_interval_s)
             for server in ejected:
-                try:
+                try:  # healthy, and serving the engine's weights (a restarted server holds others until re-synced)
                     _request(server.url + "/health", None, timeout=5)
+                    info = _request(server.url + "/model_info", None, timeout=5)
                 except (_HTTPError, *TRANSIENT):
+                    continue
+                if str(info.get("weight_version")) != str(self.weight_version):
                     continue
                 with self.lock:
                     server.ejected = False
