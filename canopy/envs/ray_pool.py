@@ -277,8 +277,8 @@ class RayEnvironment:
             return ray.get(getattr(node.actor, op).remote(*args), timeout=call_timeout(self.settings, op))
         except ray.exceptions.RayTaskError as error:
             raise self._from_node(node, error) from None
-        # RayActorError covers ActorDiedError and ActorUnavailableError
-        except (ray.exceptions.RayActorError, ray.exceptions.NodeDiedError, ray.exceptions.GetTimeoutError) as error:
+        except ray.exceptions.RayError as error:  # Ray could not run or answer it: the actor died (RayActorError),
+            # its node died, it did not answer in time (GetTimeoutError), or its reply was lost with the node
             self._lose(node)
             raise EnvironmentFault(
                 "node_lost", f"Ray node {node.name} was lost during {op}: {summary(error)}"
