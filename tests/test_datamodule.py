@@ -128,6 +128,24 @@ def test_next_batch_runs_groups_and_logs_metrics(tokenizer):
     assert batch.input_ids.shape[1] == int(batch.lengths.max())
 
 
+def test_injected_faults_are_quarantined_and_scored_as_the_variant_says(tokenizer):
+    """env.fault_rate on the vault world: the faulted episodes are quarantined with their reason and carry no tokens;
+    Appendix G's sensitivity variant scores them as failures inside their groups instead of removing them."""
+    batches = {}
+    for as_failure in (False, True):
+        engine = ScriptedEngine(tokenizer, ["login", "key", "unlock"])  # solves the tasks that start at step 0
+        dm = datamodule(tokenizer, engine, tasks_per_step=6, group_size=8, quarantine_as_failure=as_failure)
+        dm.env = EmbeddedEnvironment(fault_rate=0.15)
+        batches[as_failure] = next(iter(dm.train_dataloader()))
+    removed, as_failures = batches[False], batches[True]
+    quarantined = removed.stats.quarantined["injected_fault"]
+    assert removed.metrics["rollout/quarantined"] == quarantined and 6 <= quarantined <= 30  # ~1 - 0.85^3 of 48
+    assert as_failures.stats.quarantined == removed.stats.quarantined  # the same faults: fixed by (task, seed, turn)
+    assert len(removed.lengths) == len(as_failures.lengths) == 48 - quarantined  # no tokens either way
+    assert abs(removed.advantages.sum().item()) < 1e-4  # each group standardized over its survivors
+    assert as_failures.advantages.sum().item() > 0.5  # the quarantined zeros, dropped, pulled each group mean down
+
+
 def test_every_sampled_token_carries_the_version_that_sampled_it(tokenizer):
     """The batch records what the engine stamped on each generation, not what the trainer expects (the module
     compares them: tests/test_module.py)."""

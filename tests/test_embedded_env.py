@@ -1,5 +1,6 @@
 import pytest
 
+from canopy.envs.base import EnvironmentFault
 from canopy.envs.embedded import ACTIONS, VOCABULARY, EmbeddedEnvironment, make_tasks
 
 
@@ -71,3 +72,37 @@ def test_vocabulary_covers_everything_the_env_prints():
             assert set(message["content"].split()) <= words
         for action in ACTIONS + ("junk",):
             assert set(episode.step(action).observation.split()) <= words
+
+
+def run_to_fault(env, task, seed, turns=8):
+    """The turn at which the episode's injected fault came (None if none did within `turns`)."""
+    episode = env.start(task, seed)
+    for turn in range(1, turns + 1):
+        try:
+            episode.step("wait")  # no command: the episode never ends by itself
+        except EnvironmentFault as fault:
+            assert fault.reason == "injected_fault" and f"turn {turn}" in fault.detail
+            return turn
+    return None
+
+
+def test_fault_rate_fails_that_fraction_of_turns_the_same_way_every_run():
+    env, task = EmbeddedEnvironment(fault_rate=0.1), make_tasks("train")[0]
+    first = [run_to_fault(env, task, seed) for seed in range(2000)]
+    assert first == [run_to_fault(env, task, seed) for seed in range(2000)]  # fixed by (task, seed, turn)
+    faulted = sum(turn is not None for turn in first) / len(first)
+    assert abs(faulted - (1 - 0.9**8)) < 0.03  # each of 8 turns fails with probability 0.1
+    assert abs(sum(turn == 1 for turn in first) / len(first) - 0.1) < 0.02
+    assert all(run_to_fault(EmbeddedEnvironment(), task, seed) is None for seed in range(200))  # off by default
+
+
+def test_fault_rate_is_checked_with_the_fix():
+    from omegaconf import OmegaConf
+
+    from canopy.config import ConfigError
+    from canopy.envs import environment_kwargs
+
+    assert environment_kwargs(OmegaConf.create({"name": "embedded", "fault_rate": 0.05})) == {"fault_rate": 0.05}
+    for bad in (1.0, -0.1, "often", True):
+        with pytest.raises(ConfigError, match="env.fault_rate=.* must be a probability in \\[0, 1\\)"):
+            environment_kwargs(OmegaConf.create({"name": "embedded", "fault_rate": bad}))

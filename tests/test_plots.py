@@ -6,13 +6,15 @@ from torch.utils.tensorboard import SummaryWriter
 
 from canopy.tools.plots import (
     DPI,
-    plot_ablations,
     plot_budget_transfer,
+    plot_check_bars,
+    plot_check_curves,
     plot_coverage,
     plot_drift,
     plot_group_composition,
     training_plots,
 )
+from canopy.tools.stats import Estimate
 
 SERIES = {
     "reward/success": [(s, 0.3 + 0.06 * s) for s in range(10)],
@@ -54,8 +56,24 @@ def test_figures_render(tmp_path):
     assert_png(plot_drift({"recipe": SERIES, "no_kl": SERIES}, tmp_path / "f4.png"), 10, 3.8)
     enlarged = {**RESULT, "budget": "embedded_enlarged (20t/1024)"}
     assert_png(plot_budget_transfer([RESULT, enlarged], tmp_path / "f5.png"), 8, 3.8)
-    rows = [{"variant": "recipe", "score": 0.8}, {"variant": "no_kl", "score": 0.7}, {"variant": "n8", "score": 0.6}]
-    assert_png(plot_ablations(rows, tmp_path / "f6.png"), 8, 0.5 * 3 + 1.5)
+    rows = [
+        {
+            "check": name,
+            "seeds": [0, 1, 2],
+            "dev_tgc": Estimate(v, v - 0.1, v + 0.05, 3),
+            "hard_tgc": Estimate(v, v, v, 3),
+        }
+        for name, v in (("recipe", 0.8), ("no_kl", 0.7), ("n8", 0.6))
+    ]
+    assert_png(plot_check_bars(rows, tmp_path / "f6.png"), 11, 0.45 * 3 + 1.6)
+    curves = {
+        "success": [0.1 * s for s in range(10)],
+        "entropy": [1.0] * 10,
+        "mixed": [0.5] * 10,
+        "dev_tgc": [(5, 0.4), (10, 0.6)],
+    }
+    results = {"recipe": {0: {"curves": curves}, 1: {"curves": curves}}, "n8": {0: {"curves": curves}}, "none": {}}
+    assert_png(plot_check_curves(results, tmp_path / "f34.png"), 18, 4.2)
 
 
 def test_training_plots_from_tensorboard(tmp_path):

@@ -1,6 +1,7 @@
 """The paper's figures as PNGs (matplotlib, Agg) from TensorBoard scalars and evaluation JSON:
 coverage vs n and p (Fig. 2), group composition by tier (Fig. 3), entropy and dev / success score (Fig. 4),
-per-tier budget transfer (Fig. 5) and ablation bars (Fig. 6), plus the run's learning curve."""
+per-tier budget transfer (Fig. 5), and over seeds the paper checks' bars (Fig. 6) and curves (Figs. 3, 4), plus
+the run's learning curve."""
 
 from pathlib import Path
 
@@ -142,16 +143,60 @@ def plot_budget_transfer(results: list[dict], out_png: str | Path) -> Path:
     return _save(fig, out_png)
 
 
-def plot_ablations(rows: list[dict], out_png: str | Path, metric: str = "score") -> Path:
-    """Fig. 6: one bar per variant (the recipe first), its delta to the recipe written on the bar."""
-    fig, ax = plt.subplots(figsize=(8, 0.5 * len(rows) + 1.5))
-    labels = [r["variant"] for r in rows][::-1]
-    values = [100 * r[metric] for r in rows][::-1]
-    bars = ax.barh(labels, values, color=["C0" if label == rows[0]["variant"] else "C1" for label in labels])
-    base = 100 * rows[0][metric]
-    ax.bar_label(bars, labels=[f"{v:.1f} ({v - base:+.1f})" for v in values], fontsize=7, padding=2)
-    ax.set(xlabel=f"{metric} (%)", xlim=(0, 115), title="component ablations")
-    ax.grid(alpha=0.3, axis="x")
+def plot_check_bars(rows: list[dict], out_png: str | Path) -> Path:
+    """Fig. 6 over seeds (`bench/paper_checks.py`): each check's mean dev TGC and hardest-tier TGC, with its 95%
+    bootstrap interval as an error bar; the recipe first, its mean as a dotted line."""
+    fig, axes = plt.subplots(1, 2, figsize=(11, 0.45 * len(rows) + 1.6), sharey=True)
+    labels = [f"{r['check']} ({len(r['seeds'])})" for r in rows][::-1]
+    for ax, (key, title) in zip(axes, (("dev_tgc", "dev TGC"), ("hard_tgc", "hardest-tier dev TGC"))):
+        estimates = [r[key] for r in rows][::-1]
+        means = [100 * e.mean for e in estimates]
+        errors = [[100 * (e.mean - e.low) for e in estimates], [100 * (e.high - e.mean) for e in estimates]]
+        colors = ["C0" if r["check"] == "recipe" else "C1" for r in rows][::-1]
+        ax.barh(labels, means, xerr=errors, color=colors, capsize=3, error_kw={"linewidth": 1})
+        if rows[0]["check"] == "recipe":
+            ax.axvline(100 * rows[0][key].mean, color="C0", linestyle=":", linewidth=1)
+        ax.set(xlabel=f"{title} (%)", xlim=(0, 105))
+        ax.grid(alpha=0.3, axis="x")
+    axes[0].set_title("check (seeds)", loc="left", fontsize=9)
+    fig.suptitle("mean over seeds, 95% bootstrap interval", fontsize=10)
+    return _save(fig, out_png)
+
+
+def plot_check_curves(results: dict[str, dict[int, dict]], out_png: str | Path) -> Path:
+    """Figs. 3 and 4 over seeds: informative (mixed) groups, policy entropy, train success and dev TGC against
+    the step, per check the mean over seeds (line) and their range (band)."""
+    panels = (
+        ("mixed", "(Fig. 3) mixed groups", SMOOTH),
+        ("entropy", "(Fig. 4) policy entropy", SMOOTH),
+        ("success", "train success", SMOOTH),
+        ("dev_tgc", "(Fig. 4) dev TGC", 1),
+    )
+    fig, axes = plt.subplots(1, len(panels), figsize=(18, 4.2))
+    for i, (check, by_seed) in enumerate(item for item in results.items() if item[1]):
+        style = {"color": f"C{i % 10}", "linestyle": "-" if i < 10 else "--"}
+        for ax, (key, title, smooth) in zip(axes, panels):
+            curves = [r["curves"][key] for r in by_seed.values()]
+            if key == "dev_tgc":
+                steps = [step for step, _ in curves[0]]
+                curves = [[value for _, value in curve] for curve in curves]
+            else:
+                steps = list(range(min(len(c) for c in curves)))
+                curves = [
+                    [sum(c[max(0, t - smooth + 1) : t + 1]) / len(c[max(0, t - smooth + 1) : t + 1]) for t in steps]
+                    for c in curves
+                ]
+            width = min(len(c) for c in curves)
+            steps, curves = steps[:width], [c[:width] for c in curves]
+            mean = [sum(values) / len(values) for values in zip(*curves)]
+            ax.plot(steps, mean, label=check, linewidth=1.2, marker="o" if key == "dev_tgc" else None, **style)
+            ax.fill_between(
+                steps, [min(v) for v in zip(*curves)], [max(v) for v in zip(*curves)], alpha=0.12, color=style["color"]
+            )
+            ax.set(title=title + ("" if smooth == 1 else f" ({smooth}-step mean)"), xlabel="step")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+    axes[-1].legend(fontsize=7, loc="lower right")
     return _save(fig, out_png)
 
 

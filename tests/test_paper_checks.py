@@ -1,0 +1,87 @@
+"""bench/paper_checks.py end to end at one step: two shards share the runs, a finished run is never redone, and the
+report (tables with bootstrap intervals, figures) is built from whatever has finished."""
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def paper_checks(out: Path, *args: str, shard: str = "0/1") -> subprocess.Popen:
+    command = [
+        sys.executable,
+        "bench/paper_checks.py",
+        "--out",
+        str(out),
+        "--steps",
+        "1",
+        "--eval-k",
+        "1",
+        "--eval-every",
+        "1",
+        "--seeds",
+        "0",
+        "1",
+        "--checks",
+        "recipe",
+        "n8_matched",
+        "--shard",
+        shard,
+        *args,
+        "--",
+        f"model.tiny.dir={out / 'tiny'}",
+        "model.tiny.format_warmup_steps=30",
+        "data.tasks_per_step=2",
+        "eval.split=test",
+    ]
+    return subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def finish(process: subprocess.Popen) -> str:
+    output, _ = process.communicate(timeout=600)
+    assert process.returncode == 0, output[-3000:]
+    return output
+
+
+@pytest.mark.slow
+def test_shards_share_the_runs_and_a_finished_run_is_never_redone(tmp_path):
+    shards = [paper_checks(tmp_path, shard=f"{i}/2") for i in range(2)]
+    outputs = [finish(process) for process in shards]
+    runs = [(check, seed) for check in ("recipe", "n8_matched") for seed in (0, 1)]
+    results = {run: tmp_path / run[0] / f"seed{run[1]}" / "result.json" for run in runs}
+    assert all(path.is_file() for path in results.values())
+    finished = [line for output in outputs for line in output.splitlines() if re.match(r"\[\d/2\] .*: dev TGC", line)]
+    assert len(finished) == 4  # each run once, by one shard
+    matched = json.loads(results["n8_matched", 0].read_text())["overrides"]
+    assert "ablation=n8" in matched and "data.tasks_per_step=4" in matched  # n=8 x 4 tasks = n=16 x 2 tasks
+
+    first = {run: path.stat().st_mtime_ns for run, path in results.items()}
+    results["recipe", 1].unlink()  # as if that run had been interrupted
+    output = finish(paper_checks(tmp_path))
+    assert output.count("done before") == 3 and "recipe seed 1: dev TGC" in output
+    assert all(results[run].stat().st_mtime_ns == first[run] for run in runs if run != ("recipe", 1))
+
+    table = (tmp_path / "paper_checks.md").read_text()
+    recipe = next(line for line in table.splitlines() if line.startswith("| recipe |"))
+    matched = next(line for line in table.splitlines() if line.startswith("| n8_matched |"))
+    assert recipe.split(" | ")[2] == "2" and recipe.count("[") == 3  # two seeds; three scores with intervals
+    assert matched.count("[") == 4  # and the paired difference to the recipe
+    rows = json.loads((tmp_path / "paper_checks.json").read_text())
+    assert [r["check"] for r in rows] == ["recipe", "n8_matched"] and rows[1]["seeds"] == [0, 1]
+    assert rows[0]["dev_tgc"]["low"] <= rows[0]["dev_tgc"]["mean"] <= rows[0]["dev_tgc"]["high"]
+    for name in ("fig6_paper_checks.png", "fig3_fig4_paper_checks.png"):
+        assert (tmp_path / name).stat().st_size > 0, name
+
+    again = finish(paper_checks(tmp_path, "--report-only"))
+    assert "done before" not in again and "| n8_matched |" in again
+
+
+def test_an_unknown_check_is_named_with_the_choices(tmp_path):
+    process = paper_checks(tmp_path, "--checks", "no_such_check")
+    output, _ = process.communicate(timeout=300)
+    assert process.returncode != 0 and "unknown checks ['no_such_check']: use some of recipe, seq_mean" in output
