@@ -41,6 +41,7 @@ from canopy.tools.tb_scalars import read_scalars  # noqa: E402
 
 FAULT_RATE = 0.04  # Appendix G pair: per action, so ~15-20% of 5-turn episodes, more of the longer (harder) ones
 LAST = 10  # train success and entropy: the mean of the last LAST steps (one step's value is noisy at n x tasks)
+TAKEOFF = 0.8  # a run has taken off once its LAST-step mean train success reaches this
 
 
 def checks(extra: list[str]) -> dict[str, tuple[str, list[str]]]:
@@ -117,6 +118,7 @@ def result_of(log_dir: Path) -> dict:
         "clipfrac": last_mean(values["actor/pg_clipfrac"]),
         "grad_norm": last_mean(values["actor/grad_norm"]),
         "quarantined": quarantined / episodes,
+        "takeoff": takeoff(values["reward/success"]),
         "curves": {
             "success": values["reward/success"],
             "entropy": values["actor/entropy"],
@@ -128,6 +130,15 @@ def result_of(log_dir: Path) -> dict:
 
 def last_mean(values: list[float]) -> float:
     return sum(values[-LAST:]) / len(values[-LAST:])
+
+
+def takeoff(success: list[float], level: float = TAKEOFF) -> int | None:
+    """The first step whose trailing LAST-step mean train success reaches `level` (None if none did): how fast a
+    run learns, where the final numbers only say whether it had by the last step."""
+    for step in range(LAST - 1, len(success)):
+        if sum(success[step - LAST + 1 : step + 1]) / LAST >= level:
+            return step + 1
+    return None
 
 
 SCORES = ("train_success", "dev_tgc", "hard_tgc")  # the first table's columns, in percent
@@ -142,7 +153,11 @@ def summarize(results: dict[str, dict[int, dict]]) -> list[dict]:
     for check, by_seed in results.items():
         if not by_seed:
             continue
-        row = {"check": check, "seeds": sorted(by_seed)}
+        row = {
+            "check": check,
+            "seeds": sorted(by_seed),
+            "takeoff": [by_seed[seed]["takeoff"] for seed in sorted(by_seed)],
+        }
         for key in (*SCORES, *DIAGNOSTICS):
             row[key] = bootstrap_mean([r[key] for r in by_seed.values()])
         if check != "recipe" and set(reference) & set(by_seed):
@@ -155,13 +170,16 @@ def format_tables(rows: list[dict], what: dict[str, str], eval_k: int) -> str:
     """The scores (percent) with the dev TGC difference to the recipe, then Table A2's training diagnostics; each a
     mean over seeds with its 95% bootstrap interval."""
     scores = [
-        f"| Check | what | seeds | train success | dev TGC m@{eval_k} | hardest-tier dev TGC | dev TGC vs recipe |",
-        "|---|---|---|---|---|---|---|",
+        f"| Check | what | seeds | train success | dev TGC m@{eval_k} | hardest-tier dev TGC | dev TGC vs recipe | "
+        f"step reaching {TAKEOFF:.0%} train success, per seed |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     diagnostics = ["| Check | entropy | clip frac | grad norm | quarantined % |", "|---|---|---|---|---|"]
     for r in rows:
         delta = describe(r["delta_dev"], signed=True) if "delta_dev" in r else "-"
-        cells = [r["check"], what.get(r["check"], ""), str(len(r["seeds"])), *(describe(r[k]) for k in SCORES), delta]
+        reached = ", ".join("-" if step is None else str(step) for step in r["takeoff"])
+        cells = [r["check"], what.get(r["check"], ""), str(len(r["seeds"])), *(describe(r[k]) for k in SCORES)]
+        cells += [delta, reached]
         scores.append(f"| {' | '.join(cells)} |")
         cells = [
             r["check"],
