@@ -105,6 +105,7 @@ class FaultyEnv(EmbeddedEnvironment):
     """Raises the given exception on the first step of every episode."""
 
     def __init__(self, exception):
+        super().__init__()
         self.exception = exception
 
     def start(self, task, seed):
