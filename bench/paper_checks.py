@@ -10,12 +10,14 @@ Each check is `python train.py` with a few overrides, run for every seed:
   faulted episodes quarantined (removed from their groups) or scored as failures;
 - beyond the paper: `group_size=auto` (coverage-adaptive groups under the recipe's rollout budget).
 
-Every finished run leaves `<out>/<check>/seed<k>/result.json`; a run with one is never redone, so an interrupted
-benchmark resumes where it stopped, and `--shard i/N` splits the runs over N processes (or machines sharing the
-folder). Once a shard ends, the report is rebuilt from every result there: `paper_checks.md` (final train success,
-dev TGC mean@k, hardest-tier dev TGC, entropy, each variant's dev TGC difference to the recipe paired by seed, with
-95% bootstrap intervals over seeds), `paper_checks.json`, `fig6_paper_checks.png` (bars with error bars) and
-`fig3_fig4_paper_checks.png` (coverage, entropy and dev score against steps, mean and range over seeds).
+Every finished run leaves `<out>/<check>/seed<k>/result.json` (its wall time and overrides; its numbers stay in
+its TensorBoard log); a run with one is never redone, so an interrupted benchmark resumes where it stopped, and
+`--shard i/N` splits the runs over N processes (or machines sharing the folder). Once a shard ends, the report is
+rebuilt from every finished run there: `paper_checks.md` (final train success, dev TGC mean@k, hardest-tier dev
+TGC, each check's dev TGC difference to the recipe paired by seed, the step each seed took off; then entropy, clip
+fraction, grad norm and quarantined share; each with its 95% bootstrap interval over seeds), `paper_checks.json`,
+`fig6_paper_checks.png` (bars with error bars) and `fig3_fig4_paper_checks.png` (coverage, entropy, train success
+and dev score against steps, mean and range over seeds).
 
     python bench/paper_checks.py --seeds 0 1 2 --steps 150 [--checks recipe no_kl] [--shard 0/2] [-- overrides]
     python bench/paper_checks.py --out <folder> --report-only
@@ -77,7 +79,8 @@ def compose_config(overrides: list[str]):
 
 
 def run_one(run_dir: Path, overrides: list[str], args) -> dict:
-    """One training run (from scratch: what an interrupted run left is removed), then its result."""
+    """One training run (from scratch: what an interrupted run left is removed), then its result. `result.json`
+    marks it finished and keeps its wall time and overrides; the numbers are always read from its TensorBoard log."""
     if run_dir.exists():
         shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True)
@@ -97,11 +100,11 @@ def run_one(run_dir: Path, overrides: list[str], args) -> dict:
         done = subprocess.run(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=environment)
     if done.returncode:
         raise RuntimeError(f"exit {done.returncode}: see {run_dir / 'stdout.log'}")
-    result = {**result_of(run_dir / "tensorboard"), "wall_s": time.perf_counter() - started, "overrides": overrides}
+    finished = {"wall_s": time.perf_counter() - started, "overrides": overrides}
     staged = run_dir / "result.json.tmp"
-    staged.write_text(json.dumps(result))
+    staged.write_text(json.dumps(finished))
     staged.replace(run_dir / "result.json")  # written whole, or not at all
-    return result
+    return {**result_of(run_dir / "tensorboard"), **finished}
 
 
 def result_of(log_dir: Path) -> dict:
@@ -198,7 +201,7 @@ def report(out: Path, names: list[str], what: dict[str, str], eval_k: int) -> st
         check: {
             int(path.parent.name.removeprefix("seed")): {
                 **json.loads(path.read_text()),
-                **result_of(path.parent / "tensorboard"),  # read again: the report may want more than the run kept
+                **result_of(path.parent / "tensorboard"),
             }
             for path in sorted((out / check).glob("seed*/result.json"))
         }

@@ -27,14 +27,16 @@ def _save(fig, out_png: str | Path) -> Path:
 SMOOTH = 10  # training curves are drawn as trailing means over this many steps
 
 
+def _trailing_mean(values, smooth: int) -> list[float]:
+    """Each value replaced by the mean of the last `smooth` values up to it (fewer at the start)."""
+    return [sum(values[max(0, i - smooth + 1) : i + 1]) / (i + 1 - max(0, i - smooth + 1)) for i in range(len(values))]
+
+
 def _line(ax, series: Series, key: str, smooth: int = 1, **style) -> None:
     """Plot `series[key]`; with `smooth` > 1, each point is the mean of the last `smooth` values."""
     if key in series:
         steps, values = zip(*series[key])
-        values = [
-            sum(values[max(0, i - smooth + 1) : i + 1]) / (i + 1 - max(0, i - smooth + 1)) for i in range(len(values))
-        ]
-        ax.plot(steps, values, **{"linewidth": 1.2, "label": key, **style})
+        ax.plot(steps, _trailing_mean(values, smooth), **{"linewidth": 1.2, "label": key, **style})
 
 
 def _tiers(series: Series) -> list[str]:
@@ -182,10 +184,7 @@ def plot_check_curves(results: dict[str, dict[int, dict]], out_png: str | Path) 
                 curves = [[value for _, value in curve] for curve in curves]
             else:
                 steps = list(range(min(len(c) for c in curves)))
-                curves = [
-                    [sum(c[max(0, t - smooth + 1) : t + 1]) / len(c[max(0, t - smooth + 1) : t + 1]) for t in steps]
-                    for c in curves
-                ]
+                curves = [_trailing_mean(c, smooth) for c in curves]
             width = min(len(c) for c in curves)
             steps, curves = steps[:width], [c[:width] for c in curves]
             mean = [sum(values) / len(values) for values in zip(*curves)]
