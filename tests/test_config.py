@@ -27,6 +27,15 @@ def test_default_is_the_embedded_experiment_and_valid():
     assert cfg.budget.per_turn_generation_cap is None
 
 
+def test_testbed_experiment_is_the_embedded_default_with_differing_tasks():
+    cfg = config("experiment=testbed")
+    validate(cfg)
+    assert cfg.env.declare_done and cfg.model.tiny.declare_done and cfg.budget.max_turns == 8
+    assert cfg.model.tiny.dir != config().model.tiny.dir  # its own base model, warmed on its own world
+    assert build_env(cfg).declare_done and not build_env(config()).declare_done
+    assert cfg.algorithm.group_size == config().algorithm.group_size and cfg.optim.lr == config().optim.lr
+
+
 def test_appworld_experiment_holds_table_a1():
     cfg = config("experiment=appworld_canopy", "model.path=/models/qwen3-14b")
     a = cfg.algorithm

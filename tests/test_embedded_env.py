@@ -102,7 +102,80 @@ def test_fault_rate_is_checked_with_the_fix():
     from canopy.config import ConfigError
     from canopy.envs import environment_kwargs
 
-    assert environment_kwargs(OmegaConf.create({"name": "embedded", "fault_rate": 0.05})) == {"fault_rate": 0.05}
+    kwargs = environment_kwargs(OmegaConf.create({"name": "embedded", "fault_rate": 0.05}))
+    assert kwargs == {"fault_rate": 0.05, "declare_done": False}
     for bad in (1.0, -0.1, "often", True):
         with pytest.raises(ConfigError, match="env.fault_rate=.* must be a probability in \\[0, 1\\)"):
             environment_kwargs(OmegaConf.create({"name": "embedded", "fault_rate": bad}))
+
+
+def test_declare_done_makes_the_right_reply_depend_on_the_task():
+    """Under declare_done the status covers the whole chain: `locked` calls for `done` when the goal is a held
+    key, and for `unlock` when it is an open vault; only `done` ends the episode."""
+    env = EmbeddedEnvironment(declare_done=True)
+    key_goal = next(t for t in make_tasks("train") if t.spec == {"vault": 0, "start": 1, "goal_end": 2})
+    open_goal = next(t for t in make_tasks("train") if t.spec == {"vault": 0, "start": 1, "goal_end": 4})
+    for task in (key_goal, open_goal):
+        episode = env.start(task, 0)
+        assert episode.messages()[0]["content"].endswith("login key unlock open done")
+        assert episode.messages()[-1]["content"].endswith("status : keyless")
+        assert episode.step("key").observation.endswith(". status : locked")  # the key goal holds; no end
+    short, long = env.start(key_goal, 0), env.start(open_goal, 0)
+    for episode in (short, long):
+        episode.step("key")
+    assert short.step("done").done and short.verdict().success
+    long_result = long.step("done")
+    assert long_result.done and not long.verdict().success and long.verdict().passed == 1
+
+
+def test_declare_done_fails_a_step_past_the_goal_until_it_is_undone():
+    task = next(t for t in make_tasks("train") if t.spec["start"] == 0 and t.spec["goal_end"] == 2)
+    episode = EmbeddedEnvironment(declare_done=True).start(task, 0)
+    episode.step("login")
+    episode.step("key")
+    assert episode.verdict().success and episode.verdict().total == 3  # two goal steps + nothing past the goal
+    assert episode.step("unlock").observation == "ok : unlock . goal : key held . status : shut"
+    assert not episode.verdict().success and episode.verdict().reward("dense") == pytest.approx(2 / 3)
+    episode.step("unlock")  # toggled back
+    assert episode.step("done").done and episode.verdict().success
+
+
+@pytest.mark.parametrize("split", ["train", "dev"])
+def test_declare_done_tasks_are_solvable_in_tier_plus_one_turns(split):
+    env = EmbeddedEnvironment(declare_done=True)
+    step_for = {"guest": "login", "keyless": "key", "locked": "unlock", "shut": "open"}
+    for task in env.tasks(split):
+        episode = env.start(task, 0)
+        status = episode.messages()[-1]["content"].split()[-1]
+        for _ in range(task.tier):
+            result = episode.step(step_for[status])
+            assert not result.done and set(result.observation.split()) <= set(VOCABULARY)
+            status = result.observation.split()[-1]
+        assert episode.step("done").done and episode.verdict().success
+        assert episode.turn == task.tier + 1
+
+
+def test_declare_done_is_checked_with_the_fix():
+    from omegaconf import OmegaConf
+
+    from canopy.config import ConfigError
+    from canopy.envs import environment_kwargs
+
+    assert environment_kwargs(OmegaConf.create({"name": "embedded", "declare_done": True}))["declare_done"] is True
+    with pytest.raises(ConfigError, match="env.declare_done='yes' must be true or false"):
+        environment_kwargs(OmegaConf.create({"name": "embedded", "declare_done": "yes"}))
+
+
+def test_testbed_warmup_transcripts_restate_goal_and_status_then_act(tokenizer):
+    """The testbed base model's format: `<goal word> <status> <command>`, `done` one reply in ten, so tier-3
+    tasks start starved; the command is what the environment parses."""
+    from canopy.tools.tiny_model import random_command_transcripts
+
+    replies = []
+    for ids, mask in random_command_transcripts(tokenizer, 300, max_turns=8, seed=0, junk_rate=0.0, declare_done=True):
+        words = tokenizer.convert_ids_to_tokens([i for i, m in zip(ids, mask) if m])
+        replies += " ".join(words).split(" <|im_end|>")[:-1]
+    replies = [reply.split() for reply in replies]
+    assert all(len(reply) == 3 and reply[0] in {"in", "held", "unlocked", "open"} for reply in replies)
+    assert {reply[1] for reply in replies} <= {"guest", "keyless", "locked", "shut", "ok"}
+    assert 0.07 < sum(reply[2] == "done" for reply in replies) / len(replies) < 0.14

@@ -8,6 +8,12 @@ its goal still needs (1, 2 or 3); its unit tests are one state check per goal st
 "all checks pass" (Eq. 2) and the dense reward is the pass fraction (Eq. 1). The episode ends as soon as every
 check passes, or when the agent runs out of turns or tokens.
 
+With `env.declare_done` (the paper-checks testbed, `experiment=testbed`), tasks differ: the status names the first
+unmet step of the whole chain, not of the task's goal, and the episode ends only when the agent says `done` (or
+runs out of turns). The same status then calls for different replies in different tasks (`locked` means `unlock`
+when the goal is an open vault, and `done` when it is a held key), and a step past the goal fails the task, as
+an agent that keeps editing after its fix breaks it. The hardest tier is starved at small groups.
+
 With `env.fault_rate` = r > 0 (Appendix G's sensitivity check), each action fails in the serving layer with
 probability r, as a worker dying under a step would: `EnvironmentFault("injected_fault")`, so the episode is
 quarantined. Whether a given turn fails is fixed by (task, episode seed, turn), so a run repeats exactly and two
@@ -23,6 +29,8 @@ ACTIONS = ("login", "key", "unlock", "open")
 STATUS_WORDS = ("guest", "keyless", "locked", "shut")  # the first unmet step, in chain order
 GOAL_TEXT = ("signed in", "key held", "vault unlocked", "vault open")
 SYSTEM_PROMPT = "you operate a vault . reply with one command : login key unlock open"
+DECLARE_DONE_PROMPT = SYSTEM_PROMPT + " done"
+FINISH = "done"  # the command that ends an episode under `declare_done`
 
 # Every word the environment prints, so a tiny word-level tokenizer can cover it exactly.
 VOCABULARY = sorted(
@@ -64,6 +72,7 @@ class VaultEpisode:
     task: Task
     seed: int = 0
     fault_rate: float = 0.0
+    declare_done: bool = False
 
     def __post_init__(self):
         self.start, self.goal_end = self.task.spec["start"], self.task.spec["goal_end"]
@@ -71,33 +80,52 @@ class VaultEpisode:
         self.turn = 0
 
     def _status(self) -> str:
-        for j in range(self.goal_end):
+        """The first unmet step up to the goal; under `declare_done`, of the whole chain ("ok" once it all holds)."""
+        horizon = len(ACTIONS) if self.declare_done else self.goal_end
+        for j in range(horizon):
             if not self.done[j]:
                 return STATUS_WORDS[j]
-        return "done"
+        return "ok" if self.declare_done else "done"
 
     def _checks(self) -> list[bool]:
-        return [self.done[j] for j in range(self.start, self.goal_end)]
+        """One check per goal step; under `declare_done`, one more that no step past the goal was taken."""
+        checks = [self.done[j] for j in range(self.start, self.goal_end)]
+        if self.declare_done and self.goal_end < len(ACTIONS):
+            checks.append(not any(self.done[self.goal_end :]))
+        return checks
+
+    def _state_line(self, status: str | None = None) -> str:
+        """The line that ends every observation; under `declare_done` it restates the goal, as the prompt does."""
+        status = status or self._status()
+        if self.declare_done:
+            return f"goal : {GOAL_TEXT[self.goal_end - 1]} . status : {status}"
+        return f"status : {status}"
 
     def messages(self) -> list[dict]:
         goal = GOAL_TEXT[self.goal_end - 1]
         user = f"task : vault {self.task.spec['vault']} . goal : {goal} . status : {self._status()}"
-        return [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": user}]
+        system = DECLARE_DONE_PROMPT if self.declare_done else SYSTEM_PROMPT
+        return [{"role": "system", "content": system}, {"role": "user", "content": user}]
 
     def step(self, action_text: str) -> StepResult:
         self.turn += 1
         if self.fault_rate and injected_fault(self.task.task_id, self.seed, self.turn) < self.fault_rate:
             raise EnvironmentFault("injected_fault", f"env.fault_rate={self.fault_rate} at turn {self.turn}")
-        command = next((word for word in action_text.split() if word in ACTIONS), None)
+        commands = ACTIONS + (FINISH,) if self.declare_done else ACTIONS
+        words = action_text.split()  # the first command word counts; under declare_done the last, since the
+        # reply may restate the goal, whose words include `open`
+        command = next((word for word in (words[::-1] if self.declare_done else words) if word in commands), None)
         if command is None:
-            return StepResult(f"error : no command . status : {self._status()}", done=False)
+            return StepResult(f"error : no command . {self._state_line()}", done=False)
+        if command == FINISH:
+            return StepResult(f"ok : done . {self._state_line()}", done=True)
         j = ACTIONS.index(command)
         unmet = next((i for i in range(j) if not self.done[i]), None)
         if unmet is not None:
-            return StepResult(f"error : {command} . status : {STATUS_WORDS[unmet]}", done=False)
+            return StepResult(f"error : {command} . {self._state_line(STATUS_WORDS[unmet])}", done=False)
         self.done[j] = not self.done[j]
-        finished = all(self._checks())
-        return StepResult(f"ok : {command} . status : {self._status()}", done=finished)
+        finished = not self.declare_done and all(self._checks())
+        return StepResult(f"ok : {command} . {self._state_line()}", done=finished)
 
     def verdict(self) -> Verdict:
         checks = self._checks()
@@ -118,24 +146,29 @@ class EmbeddedEnvironment:
 
     name = "embedded"
 
-    def __init__(self, fault_rate: float = 0.0):
+    def __init__(self, fault_rate: float = 0.0, declare_done: bool = False):
         self.fault_rate = fault_rate
+        self.declare_done = declare_done
 
     def tasks(self, split: str) -> list[Task]:
         return make_tasks(split)
 
     def start(self, task: Task, seed: int) -> VaultEpisode:
-        return VaultEpisode(task, seed, self.fault_rate)
+        return VaultEpisode(task, seed, self.fault_rate, self.declare_done)
 
 
 def environment_kwargs(env) -> dict:
-    """`env.fault_rate`: the probability that an action fails in the serving layer (0 = never)."""
+    """`env.fault_rate`: the probability that an action fails in the serving layer (0 = never);
+    `env.declare_done`: the testbed's rule (the agent ends the episode; the status covers the whole chain)."""
     from canopy.config import ConfigError
 
     rate = env.get("fault_rate", 0.0)
     if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 <= rate < 1:
         raise ConfigError(f"env.fault_rate={rate} must be a probability in [0, 1): e.g. env.fault_rate=0.03")
-    return {"fault_rate": float(rate)}
+    declare_done = env.get("declare_done", False)
+    if not isinstance(declare_done, bool):
+        raise ConfigError(f"env.declare_done={declare_done!r} must be true or false")
+    return {"fault_rate": float(rate), "declare_done": declare_done}
 
 
 ENVIRONMENT = EmbeddedEnvironment

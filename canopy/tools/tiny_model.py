@@ -3,10 +3,11 @@ with Qwen's special tokens and chat template. Used by the embedded default and t
 
 The weights are randomly initialized. With `--format-warmup-steps N > 0` the random model is then briefly
 "pretrained" on transcripts of the embedded vault world in which every assistant reply first restates the
-status (`locked`) and then gives a command drawn uniformly at random,
-independent of the state. The base model learns the reply format, as a real base model knows how to reason
-and write code, but not which command solves a task: that is what RL has to find, and the base policy's
-success stays at the random-policy rates.
+status (`locked`) and then gives a command drawn uniformly at random, independent of the state. In the testbed's
+world (`declare_done`) the reply restates the goal's last word too (`held locked`), and the command is `done` one
+time in ten. The base model learns the reply format, as a real base model knows how to reason and write code, but
+not which command solves a task: that is what RL has to find, and the base policy's success stays at the
+random-policy rates.
 
     python -m canopy.tools.tiny_model OUT_DIR [--hidden-size 64 --layers 2 --format-warmup-steps 0 --seed 0]
 """
@@ -24,10 +25,11 @@ from tokenizers import Tokenizer, decoders, pre_tokenizers
 from tokenizers.models import BPE, WordLevel
 from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
-from canopy.envs.embedded import ACTIONS, VOCABULARY, EmbeddedEnvironment
+from canopy.envs.embedded import ACTIONS, FINISH, GOAL_TEXT, VOCABULARY, EmbeddedEnvironment
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
 CHAT_WORDS = ["\n", "system", "user", "assistant", "<unk>"]
+FINISH_RATE = 0.1  # how often a warm-up reply is `done` in the testbed's world: tier-3 base success ~2%
 
 # Qwen's chat format, without tools: <|im_start|>{role}\n{content}<|im_end|>\n; thinking disabled opens each
 # assistant turn with an empty think block, as Qwen3's template does
@@ -75,14 +77,14 @@ def build_byte_tokenizer() -> PreTrainedTokenizerFast:
 
 
 def random_command_transcripts(
-    tokenizer, count: int, max_turns: int, seed: int, junk_rate: float = 0.2
+    tokenizer, count: int, max_turns: int, seed: int, junk_rate: float = 0.2, declare_done: bool = False
 ) -> list[tuple[list[int], list[int]]]:
     """(token ids, action mask) of vault-world episodes played by a uniformly random command policy that
     sometimes adds or substitutes a stray word, so the base model keeps some off-format exploration."""
     from canopy.rollout.agent_loop import render_observation, render_prompt
 
     rng = random.Random(seed)
-    env = EmbeddedEnvironment()
+    env = EmbeddedEnvironment(declare_done=declare_done)
     tasks = env.tasks("train")
     im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
     transcripts = []
@@ -92,13 +94,15 @@ def random_command_transcripts(
         mask = [0] * len(ids)
         status = episode.messages()[-1]["content"].split()[-1]
         for _ in range(max_turns):
-            reply = [rng.choice(ACTIONS)]
+            reply = [FINISH if declare_done and rng.random() < FINISH_RATE else rng.choice(ACTIONS)]
             if rng.random() < junk_rate:  # a stray word before the command, or instead of it
                 reply = [rng.choice(VOCABULARY)] + (reply if rng.random() < 0.5 else [])
             reply = [status] + reply  # restate the status, then act
+            if declare_done:  # restate the goal's last word too: the right command depends on both
+                reply = [GOAL_TEXT[episode.goal_end - 1].split()[-1]] + reply
             ids += [tokenizer.convert_tokens_to_ids(word) for word in reply] + [im_end]
             mask += [1] * (len(reply) + 1)
-            result = episode.step(" ".join(reply[1:]))
+            result = episode.step(" ".join(reply[1 + declare_done :]))
             if result.done:
                 break
             status = result.observation.split()[-1]
@@ -109,10 +113,12 @@ def random_command_transcripts(
     return transcripts
 
 
-def format_warmup(model, tokenizer, steps: int, seed: int, batch_size: int = 32, lr: float = 3e-3) -> None:
-    """Supervised warm-up on random-command transcripts (loss on the reply tokens only)."""
-    data = random_command_transcripts(tokenizer, steps * batch_size, max_turns=5, seed=seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+def format_warmup(
+    model, tokenizer, steps: int, seed: int, turns: int = 5, declare_done: bool = False, batch_size: int = 32
+) -> None:
+    """Supervised warm-up on random-command transcripts of up to `turns` turns (loss on the reply tokens only)."""
+    data = random_command_transcripts(tokenizer, steps * batch_size, turns, seed, declare_done=declare_done)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
     model.train()
     for step in range(steps):
         chunk = data[step * batch_size : (step + 1) * batch_size]
@@ -141,6 +147,8 @@ def build_tiny_checkpoint(
     format_warmup_steps: int = 0,
     pad_vocab_multiple: int = 1,
     family: str = "qwen3",
+    warmup_turns: int = 5,
+    declare_done: bool = False,
     seed: int = 0,
 ) -> Path:
     """Write a randomly initialized (optionally format-warmed) Qwen3 or Qwen3.5 (`family`) in HF format and its
@@ -192,7 +200,7 @@ def build_tiny_checkpoint(
     else:
         raise ValueError(f"model.tiny.family={family!r} is unknown: use qwen3 or qwen3_5")
     if format_warmup_steps:
-        format_warmup(model, tokenizer, format_warmup_steps, seed)
+        format_warmup(model, tokenizer, format_warmup_steps, seed, warmup_turns, declare_done)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".tiny-qwen3-", dir=out_dir.parent))
     model.save_pretrained(staging)
