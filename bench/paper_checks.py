@@ -43,7 +43,6 @@ from canopy.tools.tb_scalars import read_scalars  # noqa: E402
 
 FAULT_RATE = 0.04  # Appendix G pair: per action; 13-14% of the embedded episodes, more of the long (failing) ones
 LAST = 10  # train success and entropy: the mean of the last LAST steps (one step's value is noisy at n x tasks)
-TAKEOFF = 0.8  # a run has taken off once its LAST-step mean train success reaches this
 
 
 def checks(extra: list[str]) -> dict[str, tuple[str, list[str]]]:
@@ -104,11 +103,11 @@ def run_one(run_dir: Path, overrides: list[str], args) -> dict:
     staged = run_dir / "result.json.tmp"
     staged.write_text(json.dumps(finished))
     staged.replace(run_dir / "result.json")  # written whole, or not at all
-    return {**result_of(run_dir / "tensorboard"), **finished}
+    return {**result_of(run_dir / "tensorboard", args.takeoff), **finished}
 
 
-def result_of(log_dir: Path) -> dict:
-    """What the report needs from a run's TensorBoard log: the final numbers and the curves."""
+def result_of(log_dir: Path, takeoff_level: float) -> dict:
+    """What the report needs from a run's TensorBoard log: the final numbers, the step it took off and the curves."""
     s = read_scalars(log_dir)
     values = {key: [v for _, v in points] for key, points in s.items()}
     hardest = max((k for k in s if k.startswith("eval/training_budget/tgc_tier")), key=lambda k: int(k[-1]))
@@ -121,7 +120,7 @@ def result_of(log_dir: Path) -> dict:
         "clipfrac": last_mean(values["actor/pg_clipfrac"]),
         "grad_norm": last_mean(values["actor/grad_norm"]),
         "quarantined": quarantined / episodes,
-        "takeoff": takeoff(values["reward/success"]),
+        "takeoff": takeoff(values["reward/success"], takeoff_level),
         "curves": {
             "success": values["reward/success"],
             "entropy": values["actor/entropy"],
@@ -135,7 +134,7 @@ def last_mean(values: list[float]) -> float:
     return sum(values[-LAST:]) / len(values[-LAST:])
 
 
-def takeoff(success: list[float], level: float = TAKEOFF) -> int | None:
+def takeoff(success: list[float], level: float) -> int | None:
     """The first step whose trailing LAST-step mean train success reaches `level` (None if none did): how fast a
     run learns, where the final numbers only say whether it had by the last step."""
     for step in range(LAST - 1, len(success)):
@@ -169,12 +168,12 @@ def summarize(results: dict[str, dict[int, dict]]) -> list[dict]:
     return rows
 
 
-def format_tables(rows: list[dict], what: dict[str, str], eval_k: int) -> str:
+def format_tables(rows: list[dict], what: dict[str, str], eval_k: int, takeoff_level: float) -> str:
     """The scores (percent) with the dev TGC difference to the recipe, then Table A2's training diagnostics; each a
     mean over seeds with its 95% bootstrap interval."""
     scores = [
         f"| Check | what | seeds | train success | dev TGC m@{eval_k} | hardest-tier dev TGC | dev TGC vs recipe | "
-        f"step reaching {TAKEOFF:.0%} train success, per seed |",
+        f"step reaching {takeoff_level:.0%} train success, per seed |",
         "|---|---|---|---|---|---|---|---|",
     ]
     diagnostics = ["| Check | entropy | clip frac | grad norm | quarantined % |", "|---|---|---|---|---|"]
@@ -195,13 +194,13 @@ def format_tables(rows: list[dict], what: dict[str, str], eval_k: int) -> str:
     return "\n".join(scores) + "\n\nTraining diagnostics (mean of the last 10 steps):\n\n" + "\n".join(diagnostics)
 
 
-def report(out: Path, names: list[str], what: dict[str, str], eval_k: int) -> str:
+def report(out: Path, names: list[str], what: dict[str, str], eval_k: int, takeoff_level: float) -> str:
     """Rebuild the table and figures from every finished run under `out`."""
     results = {
         check: {
             int(path.parent.name.removeprefix("seed")): {
                 **json.loads(path.read_text()),
-                **result_of(path.parent / "tensorboard"),
+                **result_of(path.parent / "tensorboard", takeoff_level),
             }
             for path in sorted((out / check).glob("seed*/result.json"))
         }
@@ -210,7 +209,7 @@ def report(out: Path, names: list[str], what: dict[str, str], eval_k: int) -> st
     rows = summarize(results)
     if not rows:
         return "no finished run yet"
-    table = format_tables(rows, what, eval_k)
+    table = format_tables(rows, what, eval_k, takeoff_level)
     walls = [r["wall_s"] for by_seed in results.values() for r in by_seed.values()]
     header = f"Paper checks: {len(walls)} runs, {sum(walls) / 60:.0f} min of runs in all; mean [95% bootstrap interval]"
     (out / "paper_checks.md").write_text(f"{header}\n\n{table}\n")
@@ -231,6 +230,7 @@ def main() -> None:
     parser.add_argument("--checks", nargs="+", help="a subset of the checks (default: all)")
     parser.add_argument("--shard", default="0/1", help="i/N: run every N-th run starting at the i-th")
     parser.add_argument("--threads", type=int, help="OMP_NUM_THREADS of each run (e.g. 1 with 2 shards on 2 cores)")
+    parser.add_argument("--takeoff", type=float, default=0.8, help="a run took off once its 10-step mean reaches it")
     parser.add_argument("--out", type=Path, default=ROOT / "outputs" / "paper_checks")
     parser.add_argument("--report-only", action="store_true", help="rebuild the report from the finished runs")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides given to every run, e.g. data.tasks_per_step=4")
@@ -242,7 +242,7 @@ def main() -> None:
         sys.exit(f"unknown checks {unknown}: use some of {', '.join(catalogue)}")
     what = {name: catalogue[name][0] for name in names}
     if args.report_only:
-        print(report(args.out, names, what, args.eval_k))
+        print(report(args.out, names, what, args.eval_k, args.takeoff))
         return
     index, count = (int(part) for part in args.shard.split("/"))
     runs = [(name, seed) for seed in args.seeds for name in names][index::count]  # seed-major: all checks early
@@ -264,7 +264,7 @@ def main() -> None:
             f"train success {result['train_success']:.3f}, {result['wall_s']:.0f} s",
             flush=True,
         )
-    print(f"\n{report(args.out, names, what, args.eval_k)}\n\nwritten under {args.out}")
+    print(f"\n{report(args.out, names, what, args.eval_k, args.takeoff)}\n\nwritten under {args.out}")
     if failed:
         sys.exit(f"{len(failed)} runs failed:\n" + "\n".join(failed))
 
