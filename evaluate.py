@@ -12,7 +12,15 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from canopy.build import build_budget, build_engine, build_env, build_sampling, build_tokenizer, ensure_model
+from canopy.build import (
+    build_budget,
+    build_engine,
+    build_env,
+    build_sampling,
+    build_tokenizer,
+    build_trajectory_log,
+    ensure_model,
+)
 from canopy.config import ConfigError, mean_group_size, validate, validate_eval
 from canopy.envs.base import SystemicFaultError
 from canopy.eval.pilot import format_pilot, pilot_report
@@ -39,6 +47,7 @@ def main(cfg: DictConfig) -> None:
         env = build_env(cfg, log_dir=out_dir / "env_logs")
         engine = build_engine(cfg, model_path, tokenizer)  # applies budget.rope_scaling (YaRN) when set
         tasks = env.tasks(cfg.data.split if cfg.pilot else cfg.split)
+        trajectory_log = build_trajectory_log(cfg, tokenizer, model_path, out_dir / "trajectories")
     except (ConfigError, ValueError) as error:
         sys.exit(f"config error: {error}")
     except SystemicFaultError as error:
@@ -46,15 +55,17 @@ def main(cfg: DictConfig) -> None:
     if weights is not None:
         engine.update_weights(weights, version=0)
     try:
-        run(cfg, env, engine, tokenizer, tasks, out_dir)
+        run(cfg, env, engine, tokenizer, tasks, out_dir, trajectory_log)
     except SystemicFaultError as error:
         sys.exit(f"environment error: {error}")
     finally:
+        if trajectory_log is not None:
+            trajectory_log.close()
         if hasattr(env, "close"):
             env.close()
 
 
-def run(cfg: DictConfig, env, engine, tokenizer, tasks, out_dir: Path) -> None:
+def run(cfg: DictConfig, env, engine, tokenizer, tasks, out_dir: Path, trajectory_log=None) -> None:
     """The pilot (per-tier base success and Eq. 5's group size) or the evaluation (Table 3 rows, Fig. 5)."""
     budget, sampling = build_budget(cfg), build_sampling(cfg)
     if cfg.pilot:
@@ -69,6 +80,8 @@ def run(cfg: DictConfig, env, engine, tokenizer, tasks, out_dir: Path) -> None:
             cfg.seed,
             "pilot",
             cfg.env.max_quarantine_fraction,
+            trajectory_log,
+            ("pilot", 0),
         ).runs
         rates = {}
         for tier in sorted({t.tier for t in tasks}):
@@ -95,6 +108,8 @@ def run(cfg: DictConfig, env, engine, tokenizer, tasks, out_dir: Path) -> None:
         cfg.seed,
         f"eval {policy}",
         cfg.env.max_quarantine_fraction,
+        trajectory_log,
+        (f"eval_{cfg.budget.name}", 0),
     )
     result = evaluation(
         tasks,

@@ -28,7 +28,9 @@ def main(cfg: DictConfig) -> None:
         validate(cfg)
         model_path = ensure_model(cfg)
         engine = build_engine_handle(cfg, model_path)  # the run's one engine, lent to the data and the module
-        datamodule = build_datamodule(cfg, model_path, engine, log_dir=run_dir / "env_logs")
+        datamodule = build_datamodule(
+            cfg, model_path, engine, log_dir=run_dir / "env_logs", trajectory_dir=run_dir / "trajectories"
+        )
         module = build_module(cfg, model_path, engine)
         strategy = build_strategy(cfg)
         callbacks = build_callbacks(cfg)
@@ -85,6 +87,8 @@ def main(cfg: DictConfig) -> None:
         final = success_by_tier(datamodule, samples, "evaluating final policy")
         table = write_summary(run_dir, base.result, final)
         print(f"\nSuccess on the training tasks ({samples} samples per task):\n{table}")
+    if datamodule.trajectory_log is not None:
+        datamodule.trajectory_log.close()  # what the last evaluations queued
     engine.close()
     print(
         f"\nfinal policy (HF format): {final_dir}\nplots: {', '.join(p.name for p in plots)}\nTensorBoard: "

@@ -19,6 +19,7 @@ from canopy.rollout.agent_loop import Budget, ChatTokenizer
 from canopy.rollout.engine import EngineHandle, LocalEngine, SamplingParams
 from canopy.rollout.sglang_engine import SGLangEngine, SGLangSettings, serving_dtype
 from canopy.tools.tiny_model import build_tiny_checkpoint
+from canopy.trajectories import TrajectoryLog, sampling_of
 
 
 def ensure_model(cfg: DictConfig) -> str:
@@ -82,6 +83,14 @@ def build_tokenizer(cfg: DictConfig, model_path: str) -> ChatTokenizer:
     return ChatTokenizer(AutoTokenizer.from_pretrained(model_path), **kwargs)
 
 
+def build_trajectory_log(cfg: DictConfig, tokenizer, model_path: str, root: str | Path) -> TrajectoryLog | None:
+    """The run's trajectory log under `root` (`trajectories.*`), or None when it is off."""
+    sampling = sampling_of(cfg.trajectories) if cfg.get("trajectories") is not None else None
+    if sampling is None:
+        return None
+    return TrajectoryLog(root, tokenizer, model_path, sampling, cfg.algorithm.reward)
+
+
 def build_budget(cfg: DictConfig) -> Budget:
     return Budget(**{field.name: cfg.budget[field.name] for field in fields(Budget)})
 
@@ -107,10 +116,16 @@ def build_engine_handle(cfg: DictConfig, model_path: str) -> EngineHandle:
 
 
 def build_datamodule(
-    cfg: DictConfig, model_path: str, engine: EngineHandle | None = None, log_dir: str | Path | None = None
+    cfg: DictConfig,
+    model_path: str,
+    engine: EngineHandle | None = None,
+    log_dir: str | Path | None = None,
+    trajectory_dir: str | Path | None = None,
 ) -> RolloutDataModule:
-    """The rollout data module, generating with `engine` (the run's handle; a new one when not given)."""
+    """The rollout data module, generating with `engine` (the run's handle; a new one when not given), logging
+    its episodes under `trajectory_dir` (when given and `trajectories.enabled`)."""
     tokenizer = build_tokenizer(cfg, model_path)
+    trajectory_log = build_trajectory_log(cfg, tokenizer, model_path, trajectory_dir) if trajectory_dir else None
     return RolloutDataModule(
         build_env(cfg, log_dir),
         engine or build_engine_handle(cfg, model_path),
@@ -126,6 +141,7 @@ def build_datamodule(
         quarantine_as_failure=cfg.algorithm.quarantine_as_failure,
         max_quarantine_fraction=cfg.env.max_quarantine_fraction,
         rollout_timeout_s=cfg.trainer.rollout_timeout_s,
+        trajectory_log=trajectory_log,
         seed=cfg.seed,
     )
 

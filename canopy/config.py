@@ -191,6 +191,10 @@ def validate(cfg: DictConfig) -> None:
             + (f": set model.family={found}" if found else f": Canopy trains {', '.join(MODEL_FAMILIES)}"),
         )
     environment_kwargs(cfg.env)
+    if cfg.get("trajectories") is not None:
+        from canopy.trajectories import sampling_of
+
+        sampling_of(cfg.trajectories)
     if cfg.engine.name == "sglang":
         SGLangSettings(**cfg.engine.sglang).validate(cfg.trainer.accelerator, cfg.trainer.devices)
 

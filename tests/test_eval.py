@@ -11,11 +11,13 @@ import torch
 
 from canopy.config import ConfigError
 from canopy.envs.base import Task
+from canopy.envs.embedded import make_tasks
 from canopy.eval.metrics import best_at_k, mean_at_k, sgc, sgc_best_at_k, sgc_mean_at_k, summarize, tgc
 from canopy.eval.pilot import format_pilot, pilot_report
 from canopy.eval.runner import checkpoint_weights, format_table3
 from canopy.modules.policy import load_policy
 from canopy.rollout.engine import LocalEngine
+from canopy.trajectories import read_step
 
 ROOT = Path(__file__).resolve().parents[1]
 RUNS = {"a": [1, 0, 1, 1], "b": [0, 1, 0, 0], "c": [1, 1, 1, 1]}
@@ -107,6 +109,9 @@ def test_evaluate_end_to_end(tiny_path, tmp_path):
     )
     assert set(result["metrics"]) == {"all", "tier1", "tier2", "tier3"} and result["metrics"]["all"]["tasks"] == 18
     assert "| Policy | Budget |" in (tmp_path / "training" / "eval.md").read_text()
+    logged = read_step(tmp_path / "training" / "trajectories" / "eval_embedded" / "step_000000.jsonl.gz")
+    assert sorted(r["task_id"] for r in logged) == sorted(t.task_id for t in make_tasks("test"))  # k=1 run each
+    assert all(r["turns"] and r["reward"] == float(r["verdict"]["success"]) for r in logged)
     # the untrained tiny model rambles: cap the enlarged budget's tokens to keep the test short
     second = evaluate(
         tiny_path,

@@ -118,6 +118,8 @@ class BudgetTransferEval(L.Callback):
                 seed=cfg.seed,
                 description=f"eval {cfg.budget.name} step {step}",
                 max_quarantine_fraction=dm.max_quarantine_fraction,
+                trajectory_log=dm.trajectory_log,
+                log_as=(f"eval_{cfg.budget.name}", step),
             )
         return evaluation(
             tasks,

@@ -352,16 +352,18 @@ class RolloutDataModule(L.LightningDataModule):
         quarantine_as_failure: bool = False,
         max_quarantine_fraction: float = 0.5,
         rollout_timeout_s: float = 14400.0,
+        trajectory_log=None,
         seed: int = 0,
     ):
-        """`rollout_timeout_s`: how long the other ranks of a sharded run wait for rank 0's rollout step."""
+        """`rollout_timeout_s`: how long the other ranks of a sharded run wait for rank 0's rollout step;
+        `trajectory_log`: a `canopy.trajectories.TrajectoryLog` the sampled episodes of each step go to."""
         super().__init__()
         self.env, self.tokenizer = env, tokenizer
         self.engine_handle = engine if isinstance(engine, EngineHandle) else EngineHandle(engine)
         self.group_size, self.tasks_per_step = group_size, tasks_per_step
         self.budget, self.sampling, self.reward = budget, sampling, reward
         self.quarantine_as_failure, self.max_quarantine_fraction = quarantine_as_failure, max_quarantine_fraction
-        self.seed, self.rollout_timeout_s = seed, rollout_timeout_s
+        self.seed, self.rollout_timeout_s, self.trajectory_log = seed, rollout_timeout_s, trajectory_log
         self.batches_delivered = 0  # rollout steps handed to the trainer by this process (every rank counts alike)
         self.split, self.drop_hardest, self.hardest_tier = split, drop_hardest, hardest_tier
         self.sampler_state = {"epoch": 0, "position": 0}
@@ -387,7 +389,9 @@ class RolloutDataModule(L.LightningDataModule):
         return ShardLayout([shard for shard, _ in ranks], ranks[0][1], getattr(module, "updates_per_batch", 1))
 
     def teardown(self, stage: str) -> None:
-        """Stop the environment's worker processes, if it has any."""
+        """Write the queued trajectory logs; stop the environment's worker processes, if it has any."""
+        if self.trajectory_log is not None:
+            self.trajectory_log.close()
         if hasattr(self.env, "close"):
             self.env.close()
 
@@ -467,6 +471,9 @@ class RolloutDataModule(L.LightningDataModule):
         survivors, advantages, coverage = score_groups(trajectories, sizes, self.reward, self.quarantine_as_failure)
         if adaptive:
             self.group_size.observe(same_task_groups(trajectories, sizes))
+        if self.trajectory_log is not None:
+            advantage_of = {id(t): a for t, a in zip(survivors, advantages.tolist())}
+            self.trajectory_log.log_step("train", self.step, same_task_groups(trajectories, sizes), advantage_of)
         if not survivors:
             raise RuntimeError(
                 f"rollout step {self.step}: every episode was quarantined; check the environment workers"

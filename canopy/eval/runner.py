@@ -45,12 +45,17 @@ def sample_runs(
     seed: int = 0,
     description: str = "evaluating",
     max_quarantine_fraction: float = 0.5,
+    trajectory_log=None,
+    log_as: tuple[str, int] = ("eval", 0),
 ) -> Sampled:
     """k episodes per task at the engine's current weights. Quarantined episodes carry no outcome (Appendix G); a
     task keeps its other runs. A systematic serving fault stops the evaluation (`check_systemic_faults`) rather
-    than reporting a score over the survivors."""
+    than reporting a score over the survivors. With a `trajectory_log`, the episodes go to it as (stream, step)
+    `log_as`, each task's k runs one group."""
     jobs = [(task, i) for task in tasks for i in range(k)]
     trajectories, _ = run_episodes(engine, env, tokenizer, jobs, budget, sampling, seed=seed, description=description)
+    if trajectory_log is not None:
+        trajectory_log.log_step(*log_as, [trajectories[i : i + k] for i in range(0, len(trajectories), k)])
     check_systemic_faults(
         trajectories, max_quarantine_fraction, getattr(env, "max_concurrent_episodes", None), description
     )

@@ -1,0 +1,234 @@
+"""Trajectory logs: what the agent did, step by step, as compressed JSONL (read by the viewer and `replay`).
+
+Each logged rollout step, and each evaluation, becomes one file `<run>/trajectories/<stream>/step_<N>.jsonl.gz`
+(stream `train`, or `eval_<budget>`), one episode per line: its task (id, tier, scenario), sample index and group,
+the weight versions that sampled it, each turn's decoded action and observation with their token counts, how it
+ended, its verdict, reward and group advantage (Eq. 3) or the fault that quarantined it, and, for `replay`, its token
+ids with the action mask as run lengths.
+
+Sampling keeps a large run's logs small: every `every_n_steps`-th step, only the groups of the named `tasks`, or the
+first `groups_per_tier` groups of each tier; `max_disk_mb` bounds the folder, the oldest step files going first (said
+once). Records are built and written on a background thread, so a training step only hands its episodes over; each
+file appears whole (written under a temporary name, then renamed) or not at all.
+"""
+
+import gzip
+import json
+import queue
+import threading
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+from canopy.rollout.agent_loop import Trajectory
+
+META = "meta.json"  # the tokenizer's path (for `replay`), written once per log folder
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Which episodes are logged (`trajectories.*` in the config)."""
+
+    every_n_steps: int = 1
+    tasks: tuple[str, ...] | None = None  # only these tasks' groups
+    groups_per_tier: int | None = None  # only the first k groups of each tier, per step
+    token_ids: bool = True  # keep ids and mask for `replay` (the text alone is several times smaller)
+    max_disk_mb: float = 2048.0
+
+    def groups(self, step: int, groups: list[list[Trajectory]]) -> list[int]:
+        """The indices of the step's groups to log."""
+        if step % self.every_n_steps:
+            return []
+        chosen = [g for g, group in enumerate(groups) if self.tasks is None or group[0].task.task_id in self.tasks]
+        if self.groups_per_tier is None:
+            return chosen
+        taken: dict[int, int] = {}
+        kept = []
+        for g in chosen:
+            tier = groups[g][0].task.tier
+            if taken.get(tier, 0) < self.groups_per_tier:
+                taken[tier] = taken.get(tier, 0) + 1
+                kept.append(g)
+        return kept
+
+
+def sampling_of(section) -> Sampling | None:
+    """The config's `trajectories` section as `Sampling` (None when disabled), each key checked with its fix."""
+    from canopy.config import ConfigError, is_int
+
+    if not section.enabled:
+        return None
+    positive = lambda value: is_int(value) and value >= 1  # noqa: E731
+    if not positive(section.every_n_steps):
+        raise ConfigError(f"trajectories.every_n_steps={section.every_n_steps} must be a positive integer")
+    if section.groups_per_tier is not None and not positive(section.groups_per_tier):
+        raise ConfigError(f"trajectories.groups_per_tier={section.groups_per_tier} must be null (all) or >= 1")
+    tasks = section.tasks
+    if tasks is not None and (isinstance(tasks, str) or not all(isinstance(t, str) for t in tasks)):
+        raise ConfigError(f"trajectories.tasks={tasks!r} must be null or a list of task ids, e.g. '[vault0_s0_t3]'")
+    if isinstance(section.max_disk_mb, bool) or not isinstance(section.max_disk_mb, (int, float)):
+        raise ConfigError(f"trajectories.max_disk_mb={section.max_disk_mb!r} must be a number of megabytes")
+    if section.max_disk_mb <= 0:
+        raise ConfigError(
+            f"trajectories.max_disk_mb={section.max_disk_mb} must be > 0 (trajectories.enabled=false "
+            "turns the logs off)"
+        )
+    return Sampling(
+        every_n_steps=section.every_n_steps,
+        tasks=None if tasks is None else tuple(tasks),
+        groups_per_tier=section.groups_per_tier,
+        token_ids=bool(section.token_ids),
+        max_disk_mb=float(section.max_disk_mb),
+    )
+
+
+def mask_runs(mask: list[int]) -> list[int]:
+    """The action mask as run lengths, starting with a run of 0s (possibly empty): [0,0,1,1,1,0] -> [2, 3, 1]."""
+    runs, current, length = [], 0, 0
+    for value in mask:
+        if value != current:
+            runs.append(length)
+            current, length = value, 0
+        length += 1
+    runs.append(length)
+    return runs
+
+
+def expand_runs(runs: list[int]) -> list[int]:
+    """The inverse of `mask_runs`."""
+    return [i % 2 for i, length in enumerate(runs) for _ in range(length)]
+
+
+def episode_record(
+    t: Trajectory, tokenizer, *, step: int, group: int, advantage: float | None, reward_kind: str, token_ids: bool
+) -> dict:
+    """One episode as a JSON-ready dict: the prompt, then per turn the action (mask 1) and the observation that
+    followed it (mask 0), decoded with the special tokens kept, so the text is what the model saw."""
+    ids, mask = t.token_ids, t.action_mask
+    turns, position = [], t.prompt_length
+    for run, length in enumerate(mask_runs(mask[t.prompt_length :])):  # even runs: 0s, odd: 1s
+        if length:
+            text = tokenizer.decode(ids[position : position + length], skip_special_tokens=False)
+            if run % 2:
+                turns.append({"action": text, "action_tokens": length, "observation": "", "observation_tokens": 0})
+            elif turns:
+                turns[-1].update(observation=text, observation_tokens=length)
+        position += length
+    verdict = t.verdict
+    record = {
+        "step": step,
+        "task_id": t.task.task_id,
+        "tier": t.task.tier,
+        "scenario": t.task.scenario,
+        "sample_index": t.sample_index,
+        "group": group,
+        "weight_versions": sorted(t.weight_versions),
+        "prompt": tokenizer.decode(ids[: t.prompt_length], skip_special_tokens=False),
+        "prompt_tokens": t.prompt_length,
+        "response_tokens": t.response_tokens,
+        "num_turns": t.num_turns,
+        "turns": turns,
+        "ending": t.ending,
+        "verdict": None if verdict is None else {**verdict.__dict__, "success": verdict.success},
+        "agent_failure": t.agent_failure,
+        "quarantine": t.quarantine,
+        "fault": None if t.fault is None else str(t.fault),
+        "reward": None if t.quarantine is not None else t.reward(reward_kind),
+        "advantage": advantage,
+    }
+    if token_ids:
+        record["token_ids"], record["mask_runs"] = list(ids), mask_runs(mask)
+    return record
+
+
+class TrajectoryLog:
+    """Writes the sampled episodes of each step under `root/<stream>/` on a background thread, started by the
+    first step handed over (only the generating rank ever logs); `close` waits for what is queued."""
+
+    def __init__(self, root: str | Path, tokenizer, tokenizer_path: str, sampling: Sampling, reward_kind: str):
+        self.root, self.tokenizer, self.sampling, self.reward_kind = Path(root), tokenizer, sampling, reward_kind
+        self.tokenizer_path = str(tokenizer_path)
+        self.sizes: dict[Path, int] = {}
+        self.pruned_warned = False
+        self.queue: queue.Queue = queue.Queue(maxsize=4)  # a slow disk holds back the run, never drops a step
+        self.thread: threading.Thread | None = None
+
+    def _start(self) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        (self.root / META).write_text(json.dumps({"tokenizer": self.tokenizer_path}))
+        self.sizes = {p: p.stat().st_size for p in self.root.glob("*/step_*.jsonl.gz")}  # a resumed run's too
+        self.thread = threading.Thread(target=self._write_loop, name="trajectory-log", daemon=True)
+        self.thread.start()
+
+    def log_step(
+        self,
+        stream: str,
+        step: int,
+        groups: list[list[Trajectory]],
+        advantages: dict[int, float] | None = None,
+    ) -> None:
+        """Hand over one step's groups; `advantages` maps id(trajectory) to its Eq. 3 advantage (training only)."""
+        chosen = self.sampling.groups(step, groups)
+        if not chosen:
+            return
+        episodes = [(g, t, (advantages or {}).get(id(t))) for g in chosen for t in groups[g]]
+        if self.thread is None:
+            self._start()
+        self.queue.put((stream, step, episodes))
+
+    def close(self) -> None:
+        """Write what is queued, then stop the thread (a later step starts it again)."""
+        if self.thread is not None:
+            self.queue.put(None)
+            self.thread.join()
+            self.thread = None
+
+    def _write_loop(self) -> None:
+        while (item := self.queue.get()) is not None:
+            stream, step, episodes = item
+            try:
+                self._write(stream, step, episodes)
+            except Exception as error:  # noqa: BLE001 (a logging failure must not stop training; it is said)
+                warnings.warn(f"trajectory log: step {step} of {stream} was not written: {error}", stacklevel=1)
+
+    def _write(self, stream: str, step: int, episodes: list) -> None:
+        folder = self.root / stream
+        folder.mkdir(exist_ok=True)
+        path, staged = folder / f"step_{step:06d}.jsonl.gz", folder / f".step_{step:06d}.jsonl.gz.tmp"
+        with gzip.open(staged, "wt", encoding="utf-8", compresslevel=6) as out:
+            for group, t, advantage in episodes:
+                record = episode_record(
+                    t,
+                    self.tokenizer,
+                    step=step,
+                    group=group,
+                    advantage=advantage,
+                    reward_kind=self.reward_kind,
+                    token_ids=self.sampling.token_ids,
+                )
+                out.write(json.dumps(record) + "\n")
+        staged.replace(path)
+        self.sizes[path] = path.stat().st_size
+        self._bound_disk(keep=path)
+
+    def _bound_disk(self, keep: Path) -> None:
+        """Remove the oldest step files (by step, then stream) while the folder is over `max_disk_mb`."""
+        limit = self.sampling.max_disk_mb * 2**20
+        for oldest in sorted(self.sizes, key=lambda p: (p.name, p.parent.name)):
+            if sum(self.sizes.values()) <= limit or oldest == keep:
+                break
+            if not self.pruned_warned:
+                warnings.warn(
+                    f"trajectory logs over trajectories.max_disk_mb={self.sampling.max_disk_mb}: removing the oldest "
+                    f"step files, from {oldest.parent.name}/{oldest.name} on (sample fewer episodes to keep them all)",
+                    stacklevel=1,
+                )
+                self.pruned_warned = True
+            oldest.unlink(missing_ok=True)
+            del self.sizes[oldest]
+
+
+def read_step(path: str | Path) -> list[dict]:
+    """The episodes of one step file."""
+    with gzip.open(path, "rt", encoding="utf-8") as lines:
+        return [json.loads(line) for line in lines]
