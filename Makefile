@@ -9,7 +9,7 @@ STAMP := $(VENV)/.canopy-installed
 APPWORLD_VENV ?= .venv-appworld
 APPWORLD_STAMP := $(APPWORLD_VENV)/.canopy-installed
 
-.PHONY: train test lint bench clean appworld swe-system
+.PHONY: train test lint bench clean appworld system
 
 # swebench and mini-swe-agent without their dependencies: Canopy imports only swebench's grading modules (docker,
 # datasets and modal stay out) and reads mini-swe-agent's templates from its package data (litellm stays out).
@@ -24,14 +24,15 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install -q -c constraints.txt ray==2.52.0   # environments on Ray nodes (env.ray.address)
 	touch $(STAMP)
 
-# SWE-bench sandboxes (bubblewrap) and the generated tasks' tools (git, patch, python3-pytest on the host's /usr).
-SWE_SYSTEM := bubblewrap git patch python3-pytest
-swe-system:
-	@missing=$$(for p in $(SWE_SYSTEM); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
+# System packages: SWE-bench sandboxes (bubblewrap) and the generated tasks' tools (git, patch, python3-pytest on the
+# host's /usr); a headless Chromium for the rollout viewer's browser test (tests/test_viewer.py).
+SYSTEM_PACKAGES := bubblewrap git patch python3-pytest chromium-headless-shell
+system:
+	@missing=$$(for p in $(SYSTEM_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
 	if [ -n "$$missing" ]; then \
 	  if [ "$$(id -u)" = 0 ]; then DEBIAN_FRONTEND=noninteractive apt-get install -y -q $$missing >/dev/null || \
 	    { apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q $$missing >/dev/null; }; \
-	  else echo "install the SWE-bench sandbox packages: sudo apt-get install $$missing"; exit 1; fi; \
+	  else echo "install the system packages the tests need: sudo apt-get install $$missing"; exit 1; fi; \
 	fi
 
 train: $(STAMP)
@@ -52,7 +53,7 @@ lint: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 
-test: lint $(APPWORLD_STAMP) swe-system
+test: lint $(APPWORLD_STAMP) system
 	$(PY) -m pytest -q -ra $(PYTEST_ARGS)
 
 bench: $(STAMP)

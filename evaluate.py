@@ -26,6 +26,7 @@ from canopy.envs.base import SystemicFaultError
 from canopy.eval.pilot import format_pilot, pilot_report
 from canopy.eval.runner import budget_label, checkpoint_weights, evaluation, sample_runs, write_results
 from canopy.tools.plots import plot_budget_transfer, plot_coverage
+from canopy.tools.viewer import build_viewer
 
 
 def train_view(cfg: DictConfig) -> DictConfig:
@@ -63,6 +64,8 @@ def main(cfg: DictConfig) -> None:
             trajectory_log.close()
         if hasattr(env, "close"):
             env.close()
+    if trajectory_log is not None:
+        print(f"rollout viewer: {build_viewer(out_dir)}")
 
 
 def run(cfg: DictConfig, env, engine, tokenizer, tasks, out_dir: Path, trajectory_log=None) -> None:

@@ -9,7 +9,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from omegaconf import DictConfig, OmegaConf
 
 from canopy.build import build_datamodule, build_engine_handle, build_module, build_strategy, ensure_model
-from canopy.callbacks import build_callbacks
+from canopy.callbacks import RolloutViewer, build_callbacks
 from canopy.config import ConfigError, mean_group_size, validate
 from canopy.envs.base import SystemicFaultError
 from canopy.mismatch import OffPolicyError
@@ -89,11 +89,15 @@ def main(cfg: DictConfig) -> None:
         print(f"\nSuccess on the training tasks ({samples} samples per task):\n{table}")
     if datamodule.trajectory_log is not None:
         datamodule.trajectory_log.close()  # what the last evaluations queued
+    viewer = next((c for c in callbacks if isinstance(c, RolloutViewer)), None)
+    page = viewer.final(run_dir) if viewer else None
     engine.close()
     print(
         f"\nfinal policy (HF format): {final_dir}\nplots: {', '.join(p.name for p in plots)}\nTensorBoard: "
         f"tensorboard --logdir {logger.log_dir}"
     )
+    if page:
+        print(f"rollout viewer: {page} (open it in a browser; no server needed)")
 
 
 if __name__ == "__main__":

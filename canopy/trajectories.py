@@ -17,12 +17,15 @@ import json
 import queue
 import threading
 import warnings
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
+from canopy.coverage import group_composition
 from canopy.rollout.agent_loop import Trajectory
 
 META = "meta.json"  # the tokenizer's path (for `replay`), written once per log folder
+INDEX = "index.jsonl"  # per stream: one summary line per logged step (the viewer's curves)
 
 
 @dataclass(frozen=True)
@@ -208,6 +211,8 @@ class TrajectoryLog:
                 )
                 out.write(json.dumps(record) + "\n")
         staged.replace(path)
+        with open(folder / INDEX, "a", encoding="utf-8") as index:  # one line per step, kept when its file is pruned
+            index.write(json.dumps(step_summary(step, [(g, t) for g, t, _ in episodes])) + "\n")
         self.sizes[path] = path.stat().st_size
         self._bound_disk(keep=path)
 
@@ -226,6 +231,45 @@ class TrajectoryLog:
                 self.pruned_warned = True
             oldest.unlink(missing_ok=True)
             del self.sizes[oldest]
+
+
+def step_summary(step: int, episodes: list[tuple[int, Trajectory]]) -> dict:
+    """A logged step in one line: its episodes, quarantined ones, successes of the scored ones by tier (successes,
+    scored), and its groups by composition (Fig. 3: all_fail / mixed / all_success, `empty` if all quarantined)."""
+    by_tier: dict[int, list[int]] = {}
+    groups: dict[int, list[bool]] = {}
+    for group, t in episodes:
+        outcomes = groups.setdefault(group, [])
+        if t.quarantine is None:
+            success = t.verdict is not None and t.verdict.success
+            counts = by_tier.setdefault(t.task.tier, [0, 0])
+            counts[0] += int(success)
+            counts[1] += 1
+            outcomes.append(success)
+    kinds = Counter(group_composition(sum(o), len(o)) if o else "empty" for o in groups.values())
+    return {
+        "step": step,
+        "episodes": len(episodes),
+        "quarantined": sum(t.quarantine is not None for _, t in episodes),
+        "success_by_tier": {str(tier): counts for tier, counts in sorted(by_tier.items())},
+        "groups": dict(kinds),
+        "mean_turns": sum(t.num_turns for _, t in episodes) / max(1, len(episodes)),
+    }
+
+
+def read_index(folder: str | Path) -> list[dict]:
+    """A stream's step summaries in step order, the last line winning for a step logged twice (a resumed run)."""
+    path = Path(folder) / INDEX
+    if not path.is_file():
+        return []
+    by_step = {}
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            summary = json.loads(line)
+        except json.JSONDecodeError:  # the line a killed run was writing
+            continue
+        by_step[summary["step"]] = summary
+    return [by_step[step] for step in sorted(by_step)]
 
 
 def read_step(path: str | Path) -> list[dict]:

@@ -15,6 +15,7 @@ from canopy.callbacks import (
     EntropyMonitor,
     OnPolicyAudit,
     QuarantineStats,
+    RolloutViewer,
     build_callbacks,
 )
 from canopy.config import ConfigError
@@ -25,6 +26,7 @@ from canopy.envs.embedded import EmbeddedEnvironment
 from canopy.mismatch import OffPolicyError
 from canopy.rollout.engine import LocalEngine
 from canopy.tools.tb_scalars import read_scalars
+from canopy.trajectories import Sampling, TrajectoryLog, read_step
 from tests.test_config import config
 from tests.test_datamodule import trajectory
 from tests.test_train import train
@@ -133,7 +135,7 @@ def test_coverage_numbers_on_a_hand_built_batch():
 
 def test_build_callbacks_swaps_by_config():
     kinds = {type(c) for c in build_callbacks(config())}
-    assert kinds == {QuarantineStats, CoverageLogger, EntropyMonitor, BudgetTransferEval, OnPolicyAudit}
+    assert kinds == {QuarantineStats, CoverageLogger, EntropyMonitor, BudgetTransferEval, OnPolicyAudit, RolloutViewer}
     assert EntropyMonitor not in {type(c) for c in build_callbacks(config("callbacks.entropy_monitor=null"))}
     assert build_callbacks(config("callbacks=none")) == []
 
@@ -150,8 +152,9 @@ def test_budget_transfer_evaluates_both_budgets_with_the_runs_own_engine(tiny_pa
     engine.weight_version = 7
     training_sampler = engine.generator.get_state()
     logger = SimpleNamespace(logged={}, log_metrics=lambda metrics, step: logger.logged.update(metrics))
+    log = TrajectoryLog(tmp_path / "trajectories", tokenizer, tiny_path, Sampling(), "sparse")
     datamodule = SimpleNamespace(
-        engine=engine, env=EmbeddedEnvironment(), tokenizer=tokenizer, max_quarantine_fraction=0.5
+        engine=engine, env=EmbeddedEnvironment(), tokenizer=tokenizer, max_quarantine_fraction=0.5, trajectory_log=log
     )
     trainer = SimpleNamespace(
         global_step=7,
@@ -165,6 +168,10 @@ def test_budget_transfer_evaluates_both_budgets_with_the_runs_own_engine(tiny_pa
     callback.on_train_end(trainer, module)
     assert {"eval/training_budget/tgc_all", "eval/enlarged_budget/tgc_tier3"} <= set(logger.logged)
     assert all(0.0 <= v <= 1.0 for v in logger.logged.values())
+    log.close()  # each budget's episodes went to the trajectory log, as of the step they evaluated
+    for stream in ("eval_embedded", "eval_embedded_enlarged"):
+        episodes = read_step(tmp_path / "trajectories" / stream / "step_000007.jsonl.gz")
+        assert len(episodes) == 18 and {r["weight_versions"][0] for r in episodes if r["weight_versions"]} == {7}
     # neither budget scales RoPE: both were served by the lent engine itself, its training sampler untouched
     assert engine.siblings == {} and torch.equal(engine.generator.get_state(), training_sampler)
     assert "embedded_enlarged (3t/48)" in (tmp_path / "budget_transfer.md").read_text()
@@ -200,3 +207,5 @@ def test_training_run_logs_and_plots_the_callbacks(tmp_path):
     ):
         assert (run_dir / f"{name}.png").stat().st_size > 10_000, name
     assert math.isfinite(scalars["coverage/psig"][0][1])
+    page = (run_dir / "viewer.html").read_text()  # built at the end, after the figures
+    assert page.count('src="data:image/png;base64,') == 5 and '"eval_embedded_enlarged"' in page

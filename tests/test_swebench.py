@@ -29,7 +29,7 @@ from canopy.tools import swe_data
 from canopy.tools.tiny_model import build_byte_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
-pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="needs bubblewrap (make swe-system)")
+pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="needs bubblewrap (make system)")
 SUBMIT = "```bash\necho COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT && git add -A && git diff --cached\n```"
 BUDGET = Budget(
     max_turns=6,

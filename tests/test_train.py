@@ -12,7 +12,7 @@ from transformers import AutoTokenizer, Qwen3ForCausalLM
 from canopy.build import build_datamodule
 from canopy.tools.summary import success_by_tier
 from canopy.tools.tb_scalars import read_scalars
-from canopy.trajectories import read_step
+from canopy.trajectories import read_index, read_step
 from tests.test_config import config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -91,13 +91,15 @@ def test_short_training_run(tmp_path):
     assert "Success on the training tasks" in run.stdout
     # every step's episodes are logged (4 tasks x 4 rollouts), and the budget-transfer evaluations at the end
     logs = run_dir / "trajectories"
-    assert sorted(p.name for p in (logs / "train").iterdir()) == [f"step_{i:06d}.jsonl.gz" for i in range(3)]
+    assert sorted(p.name for p in (logs / "train").glob("step_*")) == [f"step_{i:06d}.jsonl.gz" for i in range(3)]
+    assert [s["step"] for s in read_index(logs / "train")] == [0, 1, 2]
     steps = [read_step(logs / "train" / f"step_{i:06d}.jsonl.gz") for i in range(3)]
     assert [len(records) for records in steps] == [16] * 3 and all(r["step"] == 2 for r in steps[2])
     assert steps[2][0]["weight_versions"] == [2]  # sampled by the weights after two updates
     for budget in ("embedded", "embedded_enlarged"):
         evaluated = read_step(logs / f"eval_{budget}" / "step_000003.jsonl.gz")
         assert len(evaluated) == 18 and all(r["advantage"] is None for r in evaluated), budget
+    assert "rollout viewer: " in run.stdout and (run_dir / "viewer.html").stat().st_size > 10_000
     # the three benign Lightning warnings are silenced by their exact text (train.py); nothing else warns
     for benign in (
         "`dataloader_iter` step flavor",

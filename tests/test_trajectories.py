@@ -10,7 +10,15 @@ from omegaconf import OmegaConf
 from canopy.config import ConfigError
 from canopy.envs.base import Task
 from canopy.envs.embedded import EmbeddedEnvironment
-from canopy.trajectories import Sampling, TrajectoryLog, expand_runs, mask_runs, read_step, sampling_of
+from canopy.trajectories import (
+    Sampling,
+    TrajectoryLog,
+    expand_runs,
+    mask_runs,
+    read_index,
+    read_step,
+    sampling_of,
+)
 from tests.scripted import ScriptedEngine
 from tests.test_datamodule import datamodule, trajectory
 
@@ -53,6 +61,21 @@ def test_a_training_step_is_logged_turn_by_turn_with_its_advantages(tokenizer, t
     for record in records:
         assert record["reward"] == float(record["verdict"]["success"]) and record["ending"] in ("done", "turn_limit")
     assert json.loads((tmp_path / "trajectories" / "meta.json").read_text()) == {"tokenizer": "model/path"}
+    (summary,) = read_index(tmp_path / "trajectories" / "train")  # the step in one line, for the viewer's curves
+    assert summary["step"] == 0 and summary["episodes"] == 12 and summary["quarantined"] == 0
+    for tier, (successes, scored) in summary["success_by_tier"].items():
+        assert successes == sum(r["verdict"]["success"] for r in records if r["tier"] == int(tier))
+        assert scored == sum(r["tier"] == int(tier) for r in records)
+    groups = [[r["verdict"]["success"] for r in records if r["group"] == g] for g in range(3)]
+    kinds = ["all_success" if all(g) else "all_fail" if not any(g) else "mixed" for g in groups]
+    assert summary["groups"] == {kind: kinds.count(kind) for kind in set(kinds)}
+
+
+def test_the_index_keeps_the_last_line_of_a_step_and_skips_a_torn_one(tmp_path):
+    lines = [{"step": 0, "v": 1}, {"step": 1, "v": 1}, {"step": 0, "v": 2}]  # step 0 again: a resumed run
+    (tmp_path / "index.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines) + '{"step": 2, "v"')
+    assert read_index(tmp_path) == [{"step": 0, "v": 2}, {"step": 1, "v": 1}]
+    assert read_index(tmp_path / "missing") == []
 
 
 def test_quarantined_episodes_are_logged_with_their_fault_and_no_reward(tokenizer, tmp_path):
@@ -125,7 +148,8 @@ def test_a_write_failure_is_said_and_later_steps_still_written(tokenizer, tmp_pa
         log.log_step("blocked", 1, [[trajectory(a, 0, success=True)]])
         log.log_step("train", 2, [[trajectory(a, 0, success=True)]])
         log.close()
-    assert sorted(p.name for p in (tmp_path / "train").iterdir()) == ["step_000000.jsonl.gz", "step_000002.jsonl.gz"]
+    written = sorted(p.name for p in (tmp_path / "train").glob("step_*"))
+    assert written == ["step_000000.jsonl.gz", "step_000002.jsonl.gz"]
     with gzip.open(tmp_path / "train" / "step_000002.jsonl.gz", "rt") as f:
         assert json.loads(f.readline())["step"] == 2
 

@@ -1,5 +1,6 @@
 """Lightning callbacks of the recipe, each swappable by config (`conf/callbacks/`): fault quarantine stats,
-coverage logging (Eq. 4), entropy monitoring (Fig. 4), budget-transfer evaluation (Fig. 5) and the on-policy audit."""
+coverage logging (Eq. 4), entropy monitoring (Fig. 4), budget-transfer evaluation (Fig. 5), the on-policy audit and
+the rollout viewer."""
 
 from hydra.utils import instantiate
 from omegaconf import DictConfig
@@ -9,6 +10,7 @@ from canopy.callbacks.coverage_logger import CoverageLogger
 from canopy.callbacks.entropy_monitor import EntropyMonitor
 from canopy.callbacks.on_policy_audit import OnPolicyAudit
 from canopy.callbacks.quarantine_stats import QuarantineStats
+from canopy.callbacks.rollout_viewer import RolloutViewer
 
 __all__ = [
     "BudgetTransferEval",
@@ -16,6 +18,7 @@ __all__ = [
     "EntropyMonitor",
     "OnPolicyAudit",
     "QuarantineStats",
+    "RolloutViewer",
     "build_callbacks",
 ]
 

@@ -1,6 +1,8 @@
-"""Look at logged episodes (`canopy/trajectories.py`). `replay` prints one as the model saw it: token-exact, with
-the action mask, for debugging tokenization and masking (it needs `trajectories.token_ids=true`, the default).
+"""Look at logged episodes (`canopy/trajectories.py`). `view` writes the run's rollout viewer (`<run>/viewer.html`,
+canopy/tools/viewer.py); `replay` prints one episode as the model saw it: token-exact, with the action mask, for
+debugging tokenization and masking (it needs `trajectories.token_ids=true`, the default).
 
+    python -m canopy.tools.episodes view <run dir> [--steps 5] [--max-chars 4000]
     python -m canopy.tools.episodes replay <run dir> --step N --task T [--sample I] [--stream train] [--tokens]
 
 Each segment (the prompt, then per turn the action, mask 1, and the observation, mask 0) is printed as its tokens
@@ -16,11 +18,12 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
+from canopy.tools.viewer import build_viewer
 from canopy.trajectories import META, expand_runs, read_step
 
 
 class ReplayError(Exception):
-    """A request replay cannot serve; the message names the fix."""
+    """A request these commands cannot serve; the message names the fix."""
 
 
 def find_episode(run_dir: Path, stream: str, step: int, task: str, sample: int) -> dict:
@@ -124,20 +127,30 @@ def tokenizer_for(run_dir: Path, given: str | None):
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("command", choices=["replay"])
-    parser.add_argument("run_dir", type=Path)
-    parser.add_argument("--step", type=int, required=True)
-    parser.add_argument("--task", required=True)
-    parser.add_argument("--sample", type=int, default=0, help="the episode's sample index in its group")
-    parser.add_argument("--stream", default="train", help="train, or eval_<budget> (evaluations)")
-    parser.add_argument("--tokens", action="store_true", help="one line per token: position, id, mask, token")
-    parser.add_argument("--tokenizer", help="an HF checkpoint directory, if the run's tokenizer has moved")
+    commands = parser.add_subparsers(dest="command", required=True)
+    view = commands.add_parser("view", help="write <run dir>/viewer.html")
+    view.add_argument("run_dir", type=Path)
+    view.add_argument("--steps", type=int, default=5, help="the last logged steps of each stream to browse")
+    view.add_argument("--max-chars", type=int, default=4000, help="longer actions and observations are cut")
+    one = commands.add_parser("replay", help="print one episode token by token")
+    one.add_argument("run_dir", type=Path)
+    one.add_argument("--step", type=int, required=True)
+    one.add_argument("--task", required=True)
+    one.add_argument("--sample", type=int, default=0, help="the episode's sample index in its group")
+    one.add_argument("--stream", default="train", help="train, or eval_<budget> (evaluations)")
+    one.add_argument("--tokens", action="store_true", help="one line per token: position, id, mask, token")
+    one.add_argument("--tokenizer", help="an HF checkpoint directory, if the run's tokenizer has moved")
     args = parser.parse_args(argv)
     try:
+        if args.command == "view":
+            if not (args.run_dir / "trajectories").is_dir():
+                raise ReplayError(f"{args.run_dir} has no trajectory logs: train or evaluate with trajectories.enabled")
+            print(f"viewer: {build_viewer(args.run_dir, args.steps, args.max_chars)}")
+            return
         record = find_episode(args.run_dir, args.stream, args.step, args.task, args.sample)
         print(replay(record, tokenizer_for(args.run_dir, args.tokenizer), args.tokens))
     except ReplayError as error:
-        sys.exit(f"replay: {error}")
+        sys.exit(f"{args.command}: {error}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,160 @@
+"""The rollout viewer, loaded in a real headless Chromium (`make system` installs chromium-headless-shell): the page
+opens from disk, the address navigates to an episode, and the DOM shows that episode, its group and the curves."""
+
+import gzip
+import html
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import matplotlib
+import pytest
+
+from canopy.tools.viewer import build_viewer, cut
+from canopy.trajectories import Sampling, TrajectoryLog, read_step
+from tests.scripted import ScriptedEngine
+from tests.test_datamodule import datamodule
+
+matplotlib.use("Agg")
+BROWSERS = ("chromium-headless-shell", "chromium", "google-chrome")
+
+
+def browser() -> str:
+    found = next((shutil.which(name) for name in BROWSERS if shutil.which(name)), None)
+    assert found, "no headless Chromium: `make system` installs chromium-headless-shell"  # a test that must run
+    return found
+
+
+def dom(page: Path, address: str = "", tmp_path: Path | None = None) -> str:
+    """The page's DOM after its scripts ran, as Chromium renders `file://<page>#<address>`."""
+    run = subprocess.run(
+        [browser(), "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--no-first-run",
+         "--virtual-time-budget=3000", f"--user-data-dir={tmp_path or page.parent}/chromium-profile", "--dump-dom",
+         f"{page.resolve().as_uri()}#{address}"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert run.returncode == 0 and "<body" in run.stdout, run.stderr[-2000:]
+    return run.stdout
+
+
+def element(page_dom: str, element_id: str) -> str:
+    """The text inside the element with this id (up to the next section of the page)."""
+    start = page_dom.index(f'id="{element_id}"')
+    return page_dom[start : start + 20000]
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory, tokenizer):
+    """A run folder with three logged training steps of the vault world, one evaluation and a figure."""
+    import matplotlib.pyplot as plt
+
+    run = tmp_path_factory.mktemp("run")
+    log = TrajectoryLog(run / "trajectories", tokenizer, "m", Sampling(), "sparse")
+    replies = ["guest login", "keyless key", "locked unlock", "shut open"]
+    dm = datamodule(tokenizer, ScriptedEngine(tokenizer, replies), trajectory_log=log)
+    for _ in range(3):
+        dm.next_batch()
+    groups = [dm.tasks[:2]]
+    log.log_step("eval_embedded", 3, [[t] for t in _episodes(dm, groups[0])])
+    log.close()
+    figure, axes = plt.subplots(figsize=(2, 1.5))
+    axes.plot([0, 1], [0, 1])
+    figure.savefig(run / "learning_curve.png")
+    plt.close(figure)
+    return run
+
+
+def _episodes(dm, tasks):
+    from canopy.rollout.agent_loop import run_episodes
+
+    trajectories, _ = run_episodes(dm.engine, dm.env, dm.tokenizer, [(t, 0) for t in tasks], dm.budget, dm.sampling)
+    return trajectories
+
+
+@pytest.mark.slow
+def test_the_address_opens_an_episode_in_a_real_browser(run_dir, tmp_path):
+    page = build_viewer(run_dir)
+    records = read_step(run_dir / "trajectories" / "train" / "step_000001.jsonl.gz")
+    record = next(r for r in records if r["sample_index"] == 2 and r["group"] == 1)
+    shown = dom(page, f"stream=train&step=1&task={record['task_id']}&sample=2", tmp_path)
+    episode = element(shown, "episode-view")
+    assert f"<td>{record['task_id']}</td>" in episode and "<td>1</td>" in episode  # the task, at step 1
+    assert f"<td>{record['reward']:.3f}</td>" in episode and f"<td>{record['advantage']:.3f}</td>" in episode
+    assert html.escape(record["turns"][0]["action"]) in episode  # the policy's first action, verbatim
+    assert 'class="turn action"' in episode and 'class="turn observation"' in episode  # set apart from the env's
+    assert episode.count('class="turn action"') == record["num_turns"]
+    groups = element(shown, "groups")
+    assert re.search(rf'class="selected" data-task="{re.escape(record["task_id"])}"', groups)
+    assert re.search(r'class="selected" data-sample="2"', element(shown, "episodes"))
+    assert shown.count('data-line="tier ') >= 2 and 'data-line="mixed"' in shown  # the curves from the index
+    assert 'alt="learning_curve.png"' in shown and 'src="data:image/png;base64,' in shown  # the figure, inlined
+
+
+@pytest.mark.slow
+def test_without_an_address_it_opens_the_last_step_and_evaluations_are_browsable(run_dir, tmp_path):
+    page = build_viewer(run_dir, steps=2)
+    shown = dom(page, "", tmp_path)
+    steps = re.findall(r'<option value="(\d+)"', element(shown, "step"))
+    assert steps == ["1", "2"]  # the last two logged steps, the last one selected
+    assert re.search(r'<option value="2" selected', shown) or 'id="episode-view"' in shown
+    first = read_step(run_dir / "trajectories" / "train" / "step_000002.jsonl.gz")[0]
+    assert f"<td>{first['task_id']}</td>" in element(shown, "episode-view")
+    evaluated = dom(page, "stream=eval_embedded&step=3", tmp_path)
+    view = element(evaluated, "episode-view")
+    assert "<td>-</td>" in view  # an evaluation episode has no advantage
+    assert "eval_embedded" in element(evaluated, "stream")
+
+
+@pytest.mark.slow
+def test_the_page_is_self_contained_shows_any_text_literally_and_cuts_long_ones(run_dir, tmp_path):
+    """An action holding markup (an agent writing HTML, or `</script>`) is shown as text, never run as the page."""
+    record = read_step(run_dir / "trajectories" / "train" / "step_000000.jsonl.gz")[0]
+    hostile = '</script><script>document.title="owned"</script><b id="bold">x</b>'
+    record["turns"][0]["action"] = hostile
+    record["turns"][0]["observation"] = "y" * 5000
+    (tmp_path / "trajectories" / "train").mkdir(parents=True)
+    with gzip.open(tmp_path / "trajectories" / "train" / "step_000000.jsonl.gz", "wt") as out:
+        out.write(json.dumps(record) + "\n")
+    page = build_viewer(tmp_path, max_chars=1000)
+    text = page.read_text()
+    assert not re.search(r'(src|href)="(https?:)?//', text)  # nothing fetched from anywhere
+    shown = dom(page, f"step=0&task={record['task_id']}&sample={record['sample_index']}", tmp_path)
+    assert "<title>Canopy rollouts</title>" in shown and '<b id="bold">' not in shown  # no element made
+    assert html.escape(hostile, quote=False) in element(shown, "episode-view")
+    assert "[... 4000 characters cut by the viewer ...]" in shown
+    assert cut("a" * 10 + "b" * 10, 8) == "aaaa\n[... 12 characters cut by the viewer ...]\nbbbb"
+
+
+def test_view_command_writes_the_page_or_names_the_fix(run_dir, tmp_path, capsys):
+    from canopy.tools.episodes import main
+
+    main(["view", str(run_dir), "--steps", "1"])
+    assert capsys.readouterr().out.strip() == f"viewer: {run_dir / 'viewer.html'}"
+    with pytest.raises(SystemExit, match="^view: .* has no trajectory logs: train or evaluate with trajectories"):
+        main(["view", str(tmp_path)])
+
+
+def test_the_callback_rebuilds_the_page_every_n_steps_without_holding_a_step(run_dir):
+    from types import SimpleNamespace
+
+    from canopy.callbacks import RolloutViewer
+
+    (run_dir / "viewer.html").unlink(missing_ok=True)
+    viewer = RolloutViewer(every_n_steps=2)
+    trainer = SimpleNamespace(default_root_dir=str(run_dir), global_step=1, is_global_zero=True)
+    viewer.on_train_batch_end(trainer, None, None, None, 0)
+    assert viewer.thread is None  # not a multiple of 2
+    trainer.global_step = 2
+    viewer.on_train_batch_end(trainer, None, None, None, 0)
+    building = viewer.thread
+    trainer.global_step = 4
+    viewer.on_train_batch_end(trainer, None, None, None, 0)  # while the first build runs, none is stacked on it
+    assert viewer.thread is building or not building.is_alive()
+    assert viewer.final(run_dir) == run_dir / "viewer.html" and not viewer.thread.is_alive()
+    assert (run_dir / "viewer.html").stat().st_size > 10_000
+    follower = RolloutViewer(every_n_steps=1)
+    follower.on_train_batch_end(SimpleNamespace(default_root_dir=str(run_dir), global_step=3, is_global_zero=False),
+                                None, None, None, 0)  # fmt: skip
+    assert follower.thread is None  # only the generating rank builds
