@@ -5,13 +5,13 @@ from pathlib import Path
 
 import hydra
 import lightning as L
-from lightning.pytorch.loggers import TensorBoardLogger
 from omegaconf import DictConfig, OmegaConf
 
 from canopy.build import build_datamodule, build_engine_handle, build_module, build_strategy, ensure_model
 from canopy.callbacks import RolloutViewer, build_callbacks
 from canopy.config import ConfigError, mean_group_size, validate
 from canopy.envs.base import SystemicFaultError
+from canopy.loggers import build_loggers, finish_loggers
 from canopy.mismatch import OffPolicyError
 from canopy.modules.canopy_module import silence_benign_warnings
 from canopy.modules.checkpoint import AtomicCheckpoint
@@ -34,11 +34,12 @@ def main(cfg: DictConfig) -> None:
         module = build_module(cfg, model_path, engine)
         strategy = build_strategy(cfg)
         callbacks = build_callbacks(cfg)
+        loggers = build_loggers(cfg, run_dir)  # TensorBoard first: the figures read it
     except ConfigError as error:
         sys.exit(f"config error: {error}")
     L.seed_everything(cfg.seed, workers=True)
     updates = module.updates_per_batch  # Lightning counts optimizer steps; the config counts rollout steps
-    logger = TensorBoardLogger(run_dir, name="tensorboard", version="")
+    logger = loggers[0]
     if cfg.checkpoint.every_n_steps:
         callbacks.append(
             AtomicCheckpoint(
@@ -59,7 +60,7 @@ def main(cfg: DictConfig) -> None:
         strategy=strategy,
         precision=cfg.trainer.precision,
         max_steps=cfg.trainer.max_steps * updates,
-        logger=logger,
+        logger=loggers,
         log_every_n_steps=1,
         enable_checkpointing=bool(cfg.checkpoint.every_n_steps),
         callbacks=([base] if base else []) + callbacks,
@@ -91,6 +92,7 @@ def main(cfg: DictConfig) -> None:
         datamodule.trajectory_log.close()  # what the last evaluations queued
     viewer = next((c for c in callbacks if isinstance(c, RolloutViewer)), None)
     page = viewer.final(run_dir) if viewer else None
+    finish_loggers(loggers, run_dir)
     engine.close()
     print(
         f"\nfinal policy (HF format): {final_dir}\nplots: {', '.join(p.name for p in plots)}\nTensorBoard: "

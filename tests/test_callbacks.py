@@ -160,7 +160,7 @@ def test_budget_transfer_evaluates_both_budgets_with_the_runs_own_engine(tiny_pa
         global_step=7,
         is_global_zero=True,
         world_size=1,
-        logger=logger,
+        loggers=[logger],
         default_root_dir=str(tmp_path),
         datamodule=datamodule,
     )

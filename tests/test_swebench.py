@@ -467,6 +467,12 @@ def test_swebench_toy_trains_and_evaluates_end_to_end(generated, tmp_path):
 
     scalars = read_scalars(tmp_path / "run" / "tensorboard")
     assert [value for _, value in scalars["outcome/no_submission"]] == [8.0, 8.0]  # 2 tasks x 4 rollouts, 2 steps
+    from canopy.trajectories import read_step
+
+    logged = read_step(tmp_path / "run" / "trajectories" / "train" / "step_000001.jsonl.gz")
+    assert len(logged) == 8 and {r["verdict"]["outcome"] for r in logged} == {"no_submission"}
+    assert all(r["turns"] and r["scenario"] for r in logged)
+    assert logged[0]["task_id"] in (tmp_path / "run" / "viewer.html").read_text()  # the viewer holds SWE episodes
     checkpoint = tmp_path / "run" / "final_hf"
     evaluate = subprocess.run(
         [sys.executable, "evaluate.py", f"hydra.run.dir={tmp_path / 'eval'}", f"checkpoint={checkpoint}", *overrides],
@@ -477,6 +483,9 @@ def test_swebench_toy_trains_and_evaluates_end_to_end(generated, tmp_path):
     assert result["outcomes"] == {"no_submission": 4, "image_unavailable": 4}  # k=4; the missing image scores 0
     assert result["metrics"]["all"]["tasks"] == 2 and result["quarantined"] == 0
     assert set(result["by_scenario"]) == {dev[0]["repo"], dev[1]["repo"]}  # per repository, the unavailable one at 0
+    evaluated = read_step(tmp_path / "eval" / "trajectories" / "eval_swe_toy" / "step_000000.jsonl.gz")
+    assert sorted(r["verdict"]["outcome"] for r in evaluated) == ["image_unavailable"] * 4 + ["no_submission"] * 4
+    assert (tmp_path / "eval" / "viewer.html").is_file()
 
 
 def container_base(executable: str) -> str | None:

@@ -91,7 +91,8 @@ class BudgetTransferEval(L.Callback):
             logged = {
                 f"eval/{r['role']}/tgc_{tier}": row["tgc_mean"] for r in results for tier, row in r["metrics"].items()
             }
-            trainer.logger.log_metrics(logged, step=pl_module.weight_version)
+            for logger in trainer.loggers:  # TensorBoard, and W&B or MLflow beside it
+                logger.log_metrics(logged, step=pl_module.weight_version)
         return results
 
     def _needs_relaunch(self, trainer) -> bool | None:
