@@ -198,21 +198,23 @@ class TrajectoryLog:
         folder = self.root / stream
         folder.mkdir(exist_ok=True)
         path, staged = folder / f"step_{step:06d}.jsonl.gz", folder / f".step_{step:06d}.jsonl.gz.tmp"
+        records = [
+            episode_record(
+                t,
+                self.tokenizer,
+                step=step,
+                group=group,
+                advantage=advantage,
+                reward_kind=self.reward_kind,
+                token_ids=self.sampling.token_ids,
+            )
+            for group, t, advantage in episodes
+        ]
         with gzip.open(staged, "wt", encoding="utf-8", compresslevel=6) as out:
-            for group, t, advantage in episodes:
-                record = episode_record(
-                    t,
-                    self.tokenizer,
-                    step=step,
-                    group=group,
-                    advantage=advantage,
-                    reward_kind=self.reward_kind,
-                    token_ids=self.sampling.token_ids,
-                )
-                out.write(json.dumps(record) + "\n")
+            out.writelines(json.dumps(record) + "\n" for record in records)
         staged.replace(path)
         with open(folder / INDEX, "a", encoding="utf-8") as index:  # one line per step, kept when its file is pruned
-            index.write(json.dumps(step_summary(step, [(g, t) for g, t, _ in episodes])) + "\n")
+            index.write(json.dumps(step_summary(step, records)) + "\n")
         self.sizes[path] = path.stat().st_size
         self._bound_disk(keep=path)
 
@@ -233,27 +235,27 @@ class TrajectoryLog:
             del self.sizes[oldest]
 
 
-def step_summary(step: int, episodes: list[tuple[int, Trajectory]]) -> dict:
+def step_summary(step: int, records: list[dict]) -> dict:
     """A logged step in one line: its episodes, quarantined ones, successes of the scored ones by tier (successes,
     scored), and its groups by composition (Fig. 3: all_fail / mixed / all_success, `empty` if all quarantined)."""
     by_tier: dict[int, list[int]] = {}
     groups: dict[int, list[bool]] = {}
-    for group, t in episodes:
-        outcomes = groups.setdefault(group, [])
-        if t.quarantine is None:
-            success = t.verdict is not None and t.verdict.success
-            counts = by_tier.setdefault(t.task.tier, [0, 0])
+    for r in records:
+        outcomes = groups.setdefault(r["group"], [])
+        if r["quarantine"] is None:
+            success = bool(r["verdict"] and r["verdict"]["success"])
+            counts = by_tier.setdefault(r["tier"], [0, 0])
             counts[0] += int(success)
             counts[1] += 1
             outcomes.append(success)
     kinds = Counter(group_composition(sum(o), len(o)) if o else "empty" for o in groups.values())
     return {
         "step": step,
-        "episodes": len(episodes),
-        "quarantined": sum(t.quarantine is not None for _, t in episodes),
+        "episodes": len(records),
+        "quarantined": sum(r["quarantine"] is not None for r in records),
         "success_by_tier": {str(tier): counts for tier, counts in sorted(by_tier.items())},
         "groups": dict(kinds),
-        "mean_turns": sum(t.num_turns for _, t in episodes) / max(1, len(episodes)),
+        "mean_turns": sum(r["num_turns"] for r in records) / max(1, len(records)),
     }
 
 

@@ -188,7 +188,7 @@ def test_replay_prints_the_episode_token_exact_with_its_masks(tokenizer, tiny_pa
     out = replay_output(capsys, tmp_path, "--step", 0, "--task", record["task_id"], "--sample", 1)
     assert out.startswith(f"task {record['task_id']} (tier {record['tier']}), step 0, sample 1 of group 1: ending ")
     assert f"{len(record['token_ids'])} tokens, {record['response_tokens']} of them actions" in out
-    assert f"[prompt: {record['prompt_tokens']} tokens, mask 0]\n<|im_start|>|system|\n" in out
+    assert f"[prompt: {record['prompt_tokens']} tokens, mask 0]\n<|im_start|>|system|\\n|you|" in out  # \\n: a token
     assert "[action 1: 3 tokens, mask 1]\nguest|login|<|im_end|>\n" in out
     assert "[observation 1: " in out and "every segment survives decode -> encode" in out
     lines = replay_output(capsys, tmp_path, "--step", 0, "--task", record["task_id"], "--sample", 1, "--tokens")

@@ -6,9 +6,9 @@ debugging tokenization and masking (it needs `trajectories.token_ids=true`, the 
     python -m canopy.tools.episodes replay <run dir> --step N --task T [--sample I] [--stream train] [--tokens]
 
 Each segment (the prompt, then per turn the action, mask 1, and the observation, mask 0) is printed as its tokens
-joined by `|`, so token boundaries show; `--tokens` prints one line per token (position, id, mask, token). A segment
-whose decoded text does not re-encode to the same ids is flagged: a loop that re-tokenized the conversation would
-train on other tokens than the engine sampled.
+joined by `|`, newlines and tabs written `\\n` and `\\t`, so token boundaries show; `--tokens` prints one line per
+token (position, id, mask, token). A segment whose decoded text does not re-encode to the same ids is flagged: a
+loop that re-tokenized the conversation would train on other tokens than the engine sampled.
 """
 
 import argparse
@@ -98,7 +98,7 @@ def replay(record: dict, tokenizer, per_token: bool = False) -> str:
                 for i, (token_id, token) in enumerate(zip(chunk, tokens))
             ]
         else:
-            lines.append("|".join(tokens))
+            lines.append("|".join(token.replace("\n", "\\n").replace("\t", "\\t") for token in tokens))
         again = tokenizer.encode(tokenizer.decode(chunk, skip_special_tokens=False), add_special_tokens=False)
         if again != chunk:
             drifted += 1
