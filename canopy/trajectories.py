@@ -6,10 +6,10 @@ the weight versions that sampled it, each turn's decoded action and observation 
 ended, its verdict, reward and group advantage (Eq. 3) or the fault that quarantined it, and, for `replay`, its token
 ids with the action mask as run lengths.
 
-Sampling keeps a large run's logs small: every `every_n_steps`-th step, only the groups of the named `tasks`, or the
-first `groups_per_tier` groups of each tier; `max_disk_mb` bounds the folder, the oldest step files going first (said
-once). Records are built and written on a background thread, so a training step only hands its episodes over; each
-file appears whole (written under a temporary name, then renamed) or not at all.
+Sampling keeps a large run's logs small: every `every_n_steps`-th training step (every evaluation), only the groups
+of the named `tasks`, or the first `groups_per_tier` groups of each tier; `max_disk_mb` bounds the folder, the oldest
+step files going first (said once). Records are built and written on a background thread, so a training step only
+hands its episodes over; each file appears whole (written under a temporary name, then renamed) or not at all.
 """
 
 import gzip
@@ -38,9 +38,10 @@ class Sampling:
     token_ids: bool = True  # keep ids and mask for `replay` (the text alone is several times smaller)
     max_disk_mb: float = 2048.0
 
-    def groups(self, step: int, groups: list[list[Trajectory]]) -> list[int]:
-        """The indices of the step's groups to log."""
-        if step % self.every_n_steps:
+    def groups(self, stream: str, step: int, groups: list[list[Trajectory]]) -> list[int]:
+        """The indices of the step's groups to log (`every_n_steps` thins the training steps; evaluations are rare
+        enough to keep each)."""
+        if stream == "train" and step % self.every_n_steps:
             return []
         chosen = [g for g, group in enumerate(groups) if self.tasks is None or group[0].task.task_id in self.tasks]
         if self.groups_per_tier is None:
@@ -171,7 +172,7 @@ class TrajectoryLog:
         advantages: dict[int, float] | None = None,
     ) -> None:
         """Hand over one step's groups; `advantages` maps id(trajectory) to its Eq. 3 advantage (training only)."""
-        chosen = self.sampling.groups(step, groups)
+        chosen = self.sampling.groups(stream, step, groups)
         if not chosen:
             return
         episodes = [(g, t, (advantages or {}).get(id(t))) for g in chosen for t in groups[g]]

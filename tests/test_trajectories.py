@@ -97,11 +97,13 @@ def test_quarantined_episodes_are_logged_with_their_fault_and_no_reward(tokenize
 def test_sampling_keeps_the_named_tasks_or_k_groups_per_tier_every_nth_step():
     tasks = [Task(f"t{i}", tier, "s") for i, tier in enumerate([1, 3, 1, 3, 1, 2])]
     groups = [[trajectory(task, i, success=True) for i in range(2)] for task in tasks]
-    assert Sampling().groups(0, groups) == list(range(6))
-    assert Sampling(every_n_steps=5).groups(3, groups) == [] and Sampling(every_n_steps=5).groups(10, groups)
-    assert Sampling(tasks=("t1", "t4")).groups(0, groups) == [1, 4]
-    assert Sampling(groups_per_tier=1).groups(0, groups) == [0, 1, 5]
-    assert Sampling(groups_per_tier=2, tasks=("t0", "t2", "t4")).groups(0, groups) == [0, 2]
+    assert Sampling().groups("train", 0, groups) == list(range(6))
+    assert Sampling(every_n_steps=5).groups("train", 3, groups) == []
+    assert Sampling(every_n_steps=5).groups("train", 10, groups) == list(range(6))
+    assert Sampling(every_n_steps=5).groups("eval_dev", 3, groups) == list(range(6))  # evaluations: every one
+    assert Sampling(tasks=("t1", "t4")).groups("train", 0, groups) == [1, 4]
+    assert Sampling(groups_per_tier=1).groups("train", 0, groups) == [0, 1, 5]
+    assert Sampling(groups_per_tier=2, tasks=("t0", "t2", "t4")).groups("train", 0, groups) == [0, 2]
 
 
 def test_text_only_logs_leave_out_the_ids(tokenizer, tmp_path):
