@@ -268,13 +268,13 @@ def broken_root(env_kwargs, tmp_path) -> Path:
 @pytest.mark.parametrize(
     "entry, extra",
     [
-        ("train.py", []),
         ("evaluate.py", ["split=dev", "k=2"]),
         ("train.py", ["trainer.devices=2", "parallelism.dp_shard=2"]),
     ],
 )
 def test_a_broken_setup_stops_training_and_evaluation_with_one_line(env_kwargs, tmp_path, entry, extra):
-    """Also on 2 processes: the rank that generates says why, and every rank stops (none dies on a broken pipe)."""
+    """Training on 2 processes (the rank that generates says why, and every rank stops: none dies on a broken pipe;
+    one process takes the same path as that rank, so it is not run separately) and evaluation."""
     root, run_dir = broken_root(env_kwargs, tmp_path), tmp_path / "run"
     command = [
         sys.executable,
