@@ -87,7 +87,7 @@ class BudgetTransferEval(L.Callback):
                     RuntimeWarning,
                     stacklevel=1,
                 )
-        if trainer.logger is not None and results:
+        if trainer.loggers and results:
             logged = {
                 f"eval/{r['role']}/tgc_{tier}": row["tgc_mean"] for r in results for tier, row in r["metrics"].items()
             }
