@@ -390,9 +390,9 @@ def budget_transfer(tmp_path, engine, tokenizer, every_n_steps=0):
     run_config.budget.max_turns = 2
     callback = BudgetTransferEval(run_config, cfg.eval.enlarged, split="test", every_n_steps=every_n_steps)
     callback.configs["enlarged_budget"].budget.max_turns = 2  # the enlarged budget keeps its YaRN and 61,440 tokens
-    datamodule = SimpleNamespace(engine=engine, env=EmbeddedEnvironment(), tokenizer=tokenizer)
+    datamodule = SimpleNamespace(engine=engine, env=EmbeddedEnvironment(), tokenizer=tokenizer, trajectory_log=None)
     datamodule.max_quarantine_fraction = 0.5
-    trainer = SimpleNamespace(global_step=5, is_global_zero=True, world_size=1, logger=None, datamodule=datamodule)
+    trainer = SimpleNamespace(global_step=5, is_global_zero=True, world_size=1, loggers=[], datamodule=datamodule)
     trainer.default_root_dir = str(tmp_path)
     return callback, trainer
 
