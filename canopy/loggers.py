@@ -10,7 +10,7 @@ from lightning.pytorch.loggers import Logger, MLFlowLogger, TensorBoardLogger, W
 from omegaconf import DictConfig
 
 from canopy.config import ConfigError
-from canopy.trajectories import read_step
+from canopy.trajectories import read_step, step_files
 
 KNOWN = ("tensorboard", "wandb", "mlflow")
 WANDB_MODES = ("online", "offline", "disabled")
@@ -51,11 +51,6 @@ def build_loggers(cfg: DictConfig, run_dir: Path) -> list[Logger]:
     return loggers
 
 
-def last_step_file(run_dir: Path, stream: str) -> Path | None:
-    files = sorted((run_dir / "trajectories" / stream).glob("step_*.jsonl.gz"))
-    return files[-1] if files else None
-
-
 EPISODE_COLUMNS = ["step", "task_id", "tier", "sample", "outcome", "reward", "advantage", "turns", "last_action"]
 
 
@@ -74,7 +69,11 @@ def finish_loggers(loggers: list[Logger], run_dir: Path) -> None:
     """Give each logger that holds tables or files the run's episodes (see the module docstring); end the W&B run."""
     page = run_dir / "viewer.html"
     streams = sorted(p.name for p in (run_dir / "trajectories").glob("*") if p.is_dir())
-    last = {stream: last_step_file(run_dir, stream) for stream in streams}
+    last = {}  # each stream's last step file
+    for stream in streams:
+        files = list(step_files(run_dir / "trajectories" / stream).values())
+        if files:
+            last[stream] = files[-1]
     for logger in loggers:
         if isinstance(logger, WandbLogger):
             import wandb
@@ -90,5 +89,4 @@ def finish_loggers(loggers: list[Logger], run_dir: Path) -> None:
             if page.is_file():
                 client.log_artifact(run_id, str(page))
             for stream, path in last.items():
-                if path is not None:
-                    client.log_artifact(run_id, str(path), artifact_path=f"trajectories/{stream}")
+                client.log_artifact(run_id, str(path), artifact_path=f"trajectories/{stream}")

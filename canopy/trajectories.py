@@ -198,7 +198,8 @@ class TrajectoryLog:
     def _write(self, stream: str, step: int, episodes: list) -> None:
         folder = self.root / stream
         folder.mkdir(exist_ok=True)
-        path, staged = folder / f"step_{step:06d}.jsonl.gz", folder / f".step_{step:06d}.jsonl.gz.tmp"
+        path = step_path(folder, step)
+        staged = path.with_name(f".{path.name}.tmp")
         records = [
             episode_record(
                 t,
@@ -273,6 +274,16 @@ def read_index(folder: str | Path) -> list[dict]:
             continue
         by_step[summary["step"]] = summary
     return [by_step[step] for step in sorted(by_step)]
+
+
+def step_path(folder: str | Path, step: int) -> Path:
+    """Where a stream folder keeps one step's episodes."""
+    return Path(folder) / f"step_{step:06d}.jsonl.gz"
+
+
+def step_files(folder: str | Path) -> dict[int, Path]:
+    """A stream folder's step files by step, in step order."""
+    return {int(p.name[5:11]): p for p in sorted(Path(folder).glob("step_*.jsonl.gz"))}
 
 
 def read_step(path: str | Path) -> list[dict]:

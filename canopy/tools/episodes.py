@@ -19,7 +19,7 @@ from pathlib import Path
 from transformers import AutoTokenizer
 
 from canopy.tools.viewer import build_viewer
-from canopy.trajectories import META, expand_runs, read_step
+from canopy.trajectories import META, expand_runs, read_step, step_files, step_path
 
 
 class ReplayError(Exception):
@@ -34,9 +34,9 @@ def find_episode(run_dir: Path, stream: str, step: int, task: str, sample: int) 
         raise ReplayError(
             f"no trajectory logs of stream {stream!r} under {run_dir}: streams logged: {streams or 'none'}"
         )
-    path = folder / f"step_{step:06d}.jsonl.gz"
+    path = step_path(folder, step)
     if not path.is_file():
-        steps = sorted(int(p.name[5:11]) for p in folder.glob("step_*.jsonl.gz"))
+        steps = list(step_files(folder))
         shown = ", ".join(map(str, steps[:10])) + (", ..." if len(steps) > 10 else "")
         raise ReplayError(f"step {step} of {stream} was not logged (sampled out, or pruned): logged steps: {shown}")
     records = read_step(path)

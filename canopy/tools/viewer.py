@@ -15,7 +15,7 @@ import json
 import time
 from pathlib import Path
 
-from canopy.trajectories import read_index, read_step, step_summary
+from canopy.trajectories import read_index, read_step, step_files, step_summary
 
 FIGURES = (  # in the order a reader wants them; any other PNG of the run folder follows
     "learning_curve.png",
@@ -50,7 +50,7 @@ def collect(run_dir: Path, steps: int, max_chars: int) -> dict:
     logs = run_dir / "trajectories"
     streams = {}
     for folder in sorted(p for p in logs.glob("*") if p.is_dir()) if logs.is_dir() else []:
-        records = {int(f.name[5:11]): read_step(f) for f in sorted(folder.glob("step_*.jsonl.gz"))[-steps:]}
+        records = {step: read_step(path) for step, path in list(step_files(folder).items())[-steps:]}
         streams[folder.name] = {  # a log without an index (written before there was one): the steps it holds
             "index": read_index(folder) or [step_summary(step, rs) for step, rs in records.items()],
             "steps": {step: [episode_view(r, max_chars) for r in rs] for step, rs in records.items()},
