@@ -125,7 +125,9 @@ def test_declare_done_makes_the_right_reply_depend_on_the_task():
         episode.step("key")
     assert short.step("done").done and short.verdict().success
     long_result = long.step("done")
-    assert long_result.done and not long.verdict().success and long.verdict().passed == 1
+    assert (
+        long_result.done and not long.verdict().success and (long.verdict().passed, long.verdict().total) == (2, 4)
+    )  # key, and `done` said
 
 
 def test_declare_done_fails_a_step_past_the_goal_until_it_is_undone():
@@ -133,11 +135,23 @@ def test_declare_done_fails_a_step_past_the_goal_until_it_is_undone():
     episode = EmbeddedEnvironment(declare_done=True).start(task, 0)
     episode.step("login")
     episode.step("key")
-    assert episode.verdict().success and episode.verdict().total == 3  # two goal steps + nothing past the goal
+    # two goal steps, nothing past the goal, and `done` said: the last is still unmet
+    assert (episode.verdict().passed, episode.verdict().total) == (3, 4)
     assert episode.step("unlock").observation == "ok : unlock . goal : key held . status : shut"
-    assert not episode.verdict().success and episode.verdict().reward("dense") == pytest.approx(2 / 3)
+    assert episode.verdict().reward("dense") == pytest.approx(2 / 4)
     episode.step("unlock")  # toggled back
     assert episode.step("done").done and episode.verdict().success
+
+
+def test_declare_done_fails_an_episode_that_reaches_the_goal_but_never_says_done():
+    """The agent ends the episode: idling at the goal until the turn limit is a failure, as a SWE-bench agent that
+    never submits; the dense reward still credits the goal steps."""
+    task = next(t for t in make_tasks("train") if t.spec["start"] == 2 and t.spec["goal_end"] == 3)
+    episode = EmbeddedEnvironment(declare_done=True).start(task, 0)
+    assert episode.step("unlock").observation == "ok : unlock . goal : vault unlocked . status : shut"
+    for _ in range(7):
+        assert not episode.step("unlocked shut").done  # no command: idles at the goal
+    assert not episode.verdict().success and episode.verdict().reward("dense") == pytest.approx(2 / 3)
 
 
 @pytest.mark.parametrize("split", ["train", "dev"])

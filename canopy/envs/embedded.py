@@ -10,9 +10,10 @@ check passes, or when the agent runs out of turns or tokens.
 
 With `env.declare_done` (the paper-checks testbed, `experiment=testbed`), tasks differ: the status names the first
 unmet step of the whole chain, not of the task's goal, and the episode ends only when the agent says `done` (or
-runs out of turns). The same status then calls for different replies in different tasks (`locked` means `unlock`
-when the goal is an open vault, and `done` when it is a held key), and a step past the goal fails the task, as
-an agent that keeps editing after its fix breaks it. The hardest tier is starved at small groups.
+runs out of turns, which fails the task, as a missing submission fails on SWE-bench). The same status then calls
+for different replies in different tasks (`locked` means `unlock` when the goal is an open vault, and `done` when
+it is a held key), and a step past the goal fails the task, as an agent that keeps editing after its fix breaks
+it. The hardest tier is starved at small groups.
 
 With `env.fault_rate` = r > 0 (Appendix G's sensitivity check), each action fails in the serving layer with
 probability r, as a worker dying under a step would: `EnvironmentFault("injected_fault")`, so the episode is
@@ -78,6 +79,7 @@ class VaultEpisode:
         self.start, self.goal_end = self.task.spec["start"], self.task.spec["goal_end"]
         self.done = [j < self.start for j in range(len(ACTIONS))]
         self.turn = 0
+        self.declared = False  # whether the agent said `done` (declare_done: an episode that never does fails)
 
     def _status(self) -> str:
         """The first unmet step up to the goal; under `declare_done`, of the whole chain ("ok" once it all holds)."""
@@ -88,10 +90,13 @@ class VaultEpisode:
         return "ok" if self.declare_done else "done"
 
     def _checks(self) -> list[bool]:
-        """One check per goal step; under `declare_done`, one more that no step past the goal was taken."""
+        """One check per goal step; under `declare_done`, one more that no step past the goal was taken, and one
+        that the agent said `done`, as a SWE-bench agent that never submits fails however good its edits."""
         checks = [self.done[j] for j in range(self.start, self.goal_end)]
         if self.declare_done and self.goal_end < len(ACTIONS):
             checks.append(not any(self.done[self.goal_end :]))
+        if self.declare_done:
+            checks.append(self.declared)
         return checks
 
     def _state_line(self, status: str | None = None) -> str:
@@ -118,6 +123,7 @@ class VaultEpisode:
         if command is None:
             return StepResult(f"error : no command . {self._state_line()}", done=False)
         if command == FINISH:
+            self.declared = True
             return StepResult(f"ok : done . {self._state_line()}", done=True)
         j = ACTIONS.index(command)
         unmet = next((i for i in range(j) if not self.done[i]), None)

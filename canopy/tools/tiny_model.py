@@ -29,7 +29,7 @@ from canopy.envs.embedded import ACTIONS, FINISH, GOAL_TEXT, VOCABULARY, Embedde
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
 CHAT_WORDS = ["\n", "system", "user", "assistant", "<unk>"]
-FINISH_RATE = 0.1  # how often a warm-up reply is `done` in the testbed's world: tier-3 base success ~2%
+FINISH_RATE = 0.1  # how often a warm-up reply is `done` in the testbed's world (base success 0.14/0.02/0.01 by tier)
 
 # Qwen's chat format, without tools: <|im_start|>{role}\n{content}<|im_end|>\n; thinking disabled opens each
 # assistant turn with an empty think block, as Qwen3's template does
