@@ -103,46 +103,69 @@ def expand_runs(runs: list[int]) -> list[int]:
     return [i % 2 for i, length in enumerate(runs) for _ in range(length)]
 
 
-def episode_record(
-    t: Trajectory, tokenizer, *, step: int, group: int, advantage: float | None, reward_kind: str, token_ids: bool
-) -> dict:
-    """One episode as a JSON-ready dict: the prompt, then per turn the action (mask 1) and the observation that
-    followed it (mask 0), decoded with the special tokens kept, so the text is what the model saw."""
-    ids, mask = t.token_ids, t.action_mask
-    turns, position = [], t.prompt_length
-    for run, length in enumerate(mask_runs(mask[t.prompt_length :])):  # even runs: 0s, odd: 1s
-        if length:
-            text = tokenizer.decode(ids[position : position + length], skip_special_tokens=False)
-            if run % 2:
+def episode_records(
+    episodes: list[tuple[int, Trajectory, float | None]], tokenizer, *, step: int, reward_kind: str, token_ids: bool
+) -> list[dict]:
+    """The step's episodes (group, trajectory, advantage) as JSON-ready dicts: the prompt, then per turn the action
+    (mask 1) and the observation that followed it (mask 0), decoded with the special tokens kept, so the text is
+    what the model saw. Every piece of the step is decoded in one call (`decode_all`)."""
+    layouts, pieces = [], []
+    for _, t, _ in episodes:
+        runs = mask_runs(t.action_mask)  # the first run (0s) holds the prompt: the prompt's mask is all 0
+        spans, position = [], t.prompt_length
+        for run, length in enumerate([runs[0] - t.prompt_length, *runs[1:]]):  # even runs: 0s, odd: 1s
+            if length:
+                spans.append((run % 2 == 1, length))
+                pieces.append(t.token_ids[position : position + length])
+            position += length
+        pieces.append(t.token_ids[: t.prompt_length])
+        layouts.append((runs, spans))
+    texts = iter(decode_all(tokenizer, pieces))
+    records = []
+    for (group, t, advantage), (runs, spans) in zip(episodes, layouts):
+        turns = []
+        for is_action, length in spans:
+            text = next(texts)
+            if is_action:
                 turns.append({"action": text, "action_tokens": length, "observation": "", "observation_tokens": 0})
-            elif turns:
+            elif turns:  # an observation follows its action (nothing is shown before the first)
                 turns[-1].update(observation=text, observation_tokens=length)
-        position += length
-    verdict = t.verdict
-    record = {
-        "step": step,
-        "task_id": t.task.task_id,
-        "tier": t.task.tier,
-        "scenario": t.task.scenario,
-        "sample_index": t.sample_index,
-        "group": group,
-        "weight_versions": sorted(t.weight_versions),
-        "prompt": tokenizer.decode(ids[: t.prompt_length], skip_special_tokens=False),
-        "prompt_tokens": t.prompt_length,
-        "response_tokens": t.response_tokens,
-        "num_turns": t.num_turns,
-        "turns": turns,
-        "ending": t.ending,
-        "verdict": None if verdict is None else {**verdict.__dict__, "success": verdict.success},
-        "agent_failure": t.agent_failure,
-        "quarantine": t.quarantine,
-        "fault": None if t.fault is None else str(t.fault),
-        "reward": None if t.quarantine is not None else t.reward(reward_kind),
-        "advantage": advantage,
-    }
-    if token_ids:
-        record["token_ids"], record["mask_runs"] = list(ids), mask_runs(mask)
-    return record
+        verdict = t.verdict
+        record = {
+            "step": step,
+            "task_id": t.task.task_id,
+            "tier": t.task.tier,
+            "scenario": t.task.scenario,
+            "sample_index": t.sample_index,
+            "group": group,
+            "weight_versions": sorted(t.weight_versions),
+            "prompt": next(texts),
+            "prompt_tokens": t.prompt_length,
+            "response_tokens": t.response_tokens,
+            "num_turns": t.num_turns,
+            "turns": turns,
+            "ending": t.ending,
+            "verdict": None if verdict is None else {**verdict.__dict__, "success": verdict.success},
+            "agent_failure": t.agent_failure,
+            "quarantine": t.quarantine,
+            "fault": None if t.fault is None else str(t.fault),
+            "reward": None if t.quarantine is not None else t.reward(reward_kind),
+            "advantage": advantage,
+        }
+        if token_ids:
+            record["token_ids"], record["mask_runs"] = list(t.token_ids), runs
+        records.append(record)
+    return records
+
+
+def decode_all(tokenizer, pieces: list[list[int]]) -> list[str]:
+    """`tokenizer.decode(piece, skip_special_tokens=False)` of each piece, in one call to the fast tokenizer's
+    Rust backend where that gives the same text (no clean-up of spaces): per call, `decode`'s Python overhead
+    costs more than the decoding of a short turn."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", False):
+        return [tokenizer.decode(piece, skip_special_tokens=False) for piece in pieces]
+    return backend.decode_batch(pieces, skip_special_tokens=False)
 
 
 class TrajectoryLog:
@@ -200,19 +223,10 @@ class TrajectoryLog:
         folder.mkdir(exist_ok=True)
         path = step_path(folder, step)
         staged = path.with_name(f".{path.name}.tmp")
-        records = [
-            episode_record(
-                t,
-                self.tokenizer,
-                step=step,
-                group=group,
-                advantage=advantage,
-                reward_kind=self.reward_kind,
-                token_ids=self.sampling.token_ids,
-            )
-            for group, t, advantage in episodes
-        ]
-        with gzip.open(staged, "wt", encoding="utf-8", compresslevel=6) as out:
+        records = episode_records(
+            episodes, self.tokenizer, step=step, reward_kind=self.reward_kind, token_ids=self.sampling.token_ids
+        )
+        with gzip.open(staged, "wt", encoding="utf-8", compresslevel=1) as out:
             out.writelines(json.dumps(record) + "\n" for record in records)
         staged.replace(path)
         with open(folder / INDEX, "a", encoding="utf-8") as index:  # one line per step, kept when its file is pruned

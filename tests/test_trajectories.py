@@ -240,3 +240,24 @@ def test_replay_names_what_is_there_when_asked_for_what_is_not(tokenizer, tiny_p
         args = {"--step": "3", "--task": "a", **dict(zip(extra[::2], extra[1::2]))}
         with pytest.raises(SystemExit, match=f"^replay: {message}"):
             replay_output(capsys, tmp_path, *[x for pair in args.items() for x in pair])
+
+
+def test_decode_all_gives_the_text_of_decode_piece_by_piece(tokenizer):
+    """The writer decodes a step's pieces in one call; the text is what `decode` gives for each (the word-level and
+    the byte-level tokenizers), and a tokenizer that cleans up spaces keeps its own `decode`."""
+    from canopy.tools.tiny_model import build_byte_tokenizer
+    from canopy.trajectories import decode_all
+
+    byte_level = build_byte_tokenizer()
+    for tok, texts in (
+        (tokenizer, ["guest login<|im_end|>", "\n<|im_start|>user\nok : login . status : keyless", ""]),
+        (byte_level, ["print('é')\n<|im_end|>", "  two  spaces , and a comma .", "<think>\n\n</think>"]),
+    ):
+        pieces = [tok.encode(text, add_special_tokens=False) for text in texts]
+        assert decode_all(tok, pieces) == [tok.decode(p, skip_special_tokens=False) for p in pieces]
+    tokenizer.clean_up_tokenization_spaces = True  # decode's clean-up: " ." -> "."
+    try:
+        piece = tokenizer.encode("ok : done .", add_special_tokens=False)
+        assert decode_all(tokenizer, [piece]) == [tokenizer.decode(piece, skip_special_tokens=False)] == ["ok : done."]
+    finally:
+        tokenizer.clean_up_tokenization_spaces = False
