@@ -10,9 +10,11 @@ Each check is `python train.py` with a few overrides, run for every seed:
   faulted episodes quarantined (removed from their groups) or scored as failures;
 - beyond the paper: `group_size=auto` (coverage-adaptive groups under the recipe's rollout budget).
 
-Every finished run leaves `<out>/<check>/seed<k>/result.json` (its wall time and overrides; its numbers stay in
-its TensorBoard log); a run with one is never redone, so an interrupted benchmark resumes where it stopped, and
-`--shard i/N` splits the runs over N processes (or machines sharing the folder). Once a shard ends, the report is
+Every finished run leaves `<out>/<check>/seed<k>/result.json`: its wall time and overrides, and its numbers and
+curves read from its TensorBoard log, so the report needs nothing else and the result files alone (a few KB each;
+the rest of a run folder can go) carry a benchmark across machines and sessions. A run with one is never redone,
+so an interrupted benchmark resumes where it stopped, and `--shard i/N` splits the runs over N processes (or
+machines sharing the folder). Once a shard ends, the report is
 rebuilt from every finished run there: `paper_checks.md` (final train success, dev TGC mean@k, hardest-tier dev
 TGC, each check's dev TGC difference to the recipe paired by seed, the step each seed took off; then entropy, clip
 fraction, grad norm and quarantined share; each with its 95% bootstrap interval over seeds), `paper_checks.json`,
@@ -78,8 +80,8 @@ def compose_config(overrides: list[str]):
 
 
 def run_one(run_dir: Path, overrides: list[str], args) -> dict:
-    """One training run (from scratch: what an interrupted run left is removed), then its result. `result.json`
-    marks it finished and keeps its wall time and overrides; the numbers are always read from its TensorBoard log."""
+    """One training run (from scratch: what an interrupted run left is removed), then its result, whose
+    `result.json` marks it finished."""
     if run_dir.exists():
         shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True)
@@ -99,15 +101,15 @@ def run_one(run_dir: Path, overrides: list[str], args) -> dict:
         done = subprocess.run(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=environment)
     if done.returncode:
         raise RuntimeError(f"exit {done.returncode}: see {run_dir / 'stdout.log'}")
-    finished = {"wall_s": time.perf_counter() - started, "overrides": overrides}
+    result = {"wall_s": time.perf_counter() - started, "overrides": overrides, **result_of(run_dir / "tensorboard")}
     staged = run_dir / "result.json.tmp"
-    staged.write_text(json.dumps(finished))
+    staged.write_text(json.dumps(result))
     staged.replace(run_dir / "result.json")  # written whole, or not at all
-    return {**result_of(run_dir / "tensorboard", args.takeoff), **finished}
+    return result
 
 
-def result_of(log_dir: Path, takeoff_level: float) -> dict:
-    """What the report needs from a run's TensorBoard log: the final numbers, the step it took off and the curves."""
+def result_of(log_dir: Path) -> dict:
+    """What the report needs from a run's TensorBoard log: the final numbers and the curves."""
     s = read_scalars(log_dir)
     values = {key: [v for _, v in points] for key, points in s.items()}
     hardest = max((k for k in s if k.startswith("eval/training_budget/tgc_tier")), key=lambda k: int(k[-1]))
@@ -120,7 +122,6 @@ def result_of(log_dir: Path, takeoff_level: float) -> dict:
         "clipfrac": last_mean(values["actor/pg_clipfrac"]),
         "grad_norm": last_mean(values["actor/grad_norm"]),
         "quarantined": quarantined / episodes,
-        "takeoff": takeoff(values["reward/success"], takeoff_level),
         "curves": {
             "success": values["reward/success"],
             "entropy": values["actor/entropy"],
@@ -153,8 +154,6 @@ def summarize(results: dict[str, dict[int, dict]]) -> list[dict]:
     reference = {seed: r["dev_tgc"] for seed, r in results.get("recipe", {}).items()}
     rows = []
     for check, by_seed in results.items():
-        if not by_seed:
-            continue
         row = {
             "check": check,
             "seeds": sorted(by_seed),
@@ -197,15 +196,13 @@ def format_tables(rows: list[dict], what: dict[str, str], eval_k: int, takeoff_l
 def report(out: Path, names: list[str], what: dict[str, str], eval_k: int, takeoff_level: float) -> str:
     """Rebuild the table and figures from every finished run under `out`."""
     results = {
-        check: {
-            int(path.parent.name.removeprefix("seed")): {
-                **json.loads(path.read_text()),
-                **result_of(path.parent / "tensorboard", takeoff_level),
-            }
-            for path in sorted((out / check).glob("seed*/result.json"))
-        }
+        check: {int(path.parent.name.removeprefix("seed")): json.loads(path.read_text()) for path in runs}
         for check in names
+        if (runs := sorted((out / check).glob("seed*/result.json")))
     }
+    for by_seed in results.values():
+        for result in by_seed.values():
+            result["takeoff"] = takeoff(result["curves"]["success"], takeoff_level)
     rows = summarize(results)
     if not rows:
         return "no finished run yet"
