@@ -86,8 +86,10 @@ def test_tasks_carry_splits_tiers_and_scenarios(env_kwargs):
         env.tasks("test")
 
 
-def test_scripted_episodes_pass_fail_and_score_tgc_sgc(pool):
-    """Correct answers pass AppWorld's own tests; a wrong one passes 1 of 2 (dense 0.5, sparse 0)."""
+@pytest.fixture(scope="module")
+def scripted(pool):
+    """The six training tasks, each answered by a script: look at the API docs, then complete the task (one answer
+    wrong). Returns (tokenizer, tasks, trajectories)."""
     tokenizer = build_byte_tokenizer()
     tasks = pool.tasks("train")
     answers = {
@@ -108,6 +110,12 @@ def test_scripted_episodes_pass_fail_and_score_tgc_sgc(pool):
     trajectories, _ = run_episodes(
         ScriptEngine(tokenizer, scripts), pool, tokenizer, [(t, 0) for t in tasks], BUDGET, SamplingParams()
     )
+    return tokenizer, tasks, trajectories
+
+
+def test_scripted_episodes_pass_fail_and_score_tgc_sgc(scripted):
+    """Correct answers pass AppWorld's own tests; a wrong one passes 1 of 2 (dense 0.5, sparse 0)."""
+    tokenizer, tasks, trajectories = scripted
     prompt = tokenizer.decode(trajectories[0].token_ids[: trajectories[0].prompt_length])
     assert "I am your supervisor" in prompt and "My name is: Ada Park" in prompt and "What is 17 plus 25?" in prompt
     assert "- spotify: A music streaming app" in prompt and "show_api_doc(app_name=" in prompt
@@ -121,6 +129,31 @@ def test_scripted_episodes_pass_fail_and_score_tgc_sgc(pool):
     assert summary["all"]["tgc_mean"] == 5 / 6 and summary["all"]["sgc_mean"] == 0.5
     assert (summary["tier1"]["tgc_mean"], summary["tier1"]["sgc_mean"]) == (2 / 3, 0.0)
     assert (summary["tier2"]["tgc_mean"], summary["tier2"]["sgc_mean"]) == (1.0, 1.0)
+
+
+@pytest.mark.slow
+def test_appworld_episodes_are_logged_and_shown_in_the_viewer(scripted, tmp_path):
+    """The trajectory log and the rollout viewer on AppWorld: the policy's code and the real app's answer, turn by
+    turn in a headless Chromium; the wrong answer's episode with its partial verdict and zero reward."""
+    from canopy.tools.viewer import build_viewer
+    from canopy.trajectories import Sampling, TrajectoryLog, read_step
+    from tests.test_viewer import dom, element
+
+    tokenizer, tasks, trajectories = scripted
+    log = TrajectoryLog(tmp_path / "trajectories", tokenizer, "m", Sampling(), "sparse")
+    log.log_step("eval_appworld", 0, [[t] for t in trajectories])
+    log.close()
+    records = read_step(tmp_path / "trajectories" / "eval_appworld" / "step_000000.jsonl.gz")
+    wrong = next(r for r in records if r["task_id"] == trajectories[1].task.task_id)
+    verdict = wrong["verdict"]
+    assert (verdict["passed"], verdict["total"], verdict["success"], wrong["reward"]) == (1, 2, False, 0.0)
+    assert wrong["turns"][1]["action"].startswith(code("apis.supervisor.complete_task(answer=8)"))
+    assert "An app to search and explore API documentation." in wrong["turns"][0]["observation"]
+
+    shown = element(dom(build_viewer(tmp_path), f"stream=eval_appworld&step=0&task={wrong['task_id']}"), "episode-view")
+    assert f"<td>{wrong['task_id']}</td>" in shown and "<td>0.000</td>" in shown
+    assert "apis.supervisor.complete_task(answer=8)" in shown and "explore API documentation" in shown
+    assert shown.count('class="turn action"') == 2
 
 
 def test_infinite_loop_is_an_error_observation_and_scores_zero(pool):
