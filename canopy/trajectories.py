@@ -16,6 +16,7 @@ import gzip
 import json
 import queue
 import threading
+import time
 import warnings
 from collections import Counter
 from dataclasses import dataclass
@@ -219,6 +220,7 @@ class TrajectoryLog:
                 warnings.warn(f"trajectory log: step {step} of {stream} was not written: {error}", stacklevel=1)
 
     def _write(self, stream: str, step: int, episodes: list) -> None:
+        started = time.thread_time()  # this thread's CPU time: what the logs cost, kept in the index line
         folder = self.root / stream
         folder.mkdir(exist_ok=True)
         path = step_path(folder, step)
@@ -230,7 +232,8 @@ class TrajectoryLog:
             out.writelines(json.dumps(record) + "\n" for record in records)
         staged.replace(path)
         with open(folder / INDEX, "a", encoding="utf-8") as index:  # one line per step, kept when its file is pruned
-            index.write(json.dumps(step_summary(step, records)) + "\n")
+            cpu_ms = round(1000 * (time.thread_time() - started), 3)
+            index.write(json.dumps({**step_summary(step, records), "write_cpu_ms": cpu_ms}) + "\n")
         self.sizes[path] = path.stat().st_size
         self._bound_disk(keep=path)
 
