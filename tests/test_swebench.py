@@ -485,6 +485,14 @@ def test_swebench_toy_trains_and_evaluates_end_to_end(generated, tmp_path):
     assert set(result["by_scenario"]) == {dev[0]["repo"], dev[1]["repo"]}  # per repository, the unavailable one at 0
     evaluated = read_step(tmp_path / "eval" / "trajectories" / "eval_swe_toy" / "step_000000.jsonl.gz")
     assert sorted(r["verdict"]["outcome"] for r in evaluated) == ["image_unavailable"] * 4 + ["no_submission"] * 4
+    from urllib.parse import quote
+
+    from tests.test_viewer import dom, element
+
+    first = logged[0]  # a SWE-bench episode in the viewer, as a headless Chromium shows it
+    address = f"stream=train&step=1&task={quote(first['task_id'], safe='')}&sample={first['sample_index']}"
+    shown = element(dom(tmp_path / "run" / "viewer.html", address, tmp_path), "episode-view")
+    assert f"<td>{first['task_id']}</td>" in shown and shown.count('class="turn action"') == first["num_turns"]
     assert (tmp_path / "eval" / "viewer.html").is_file()
 
 
