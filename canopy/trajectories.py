@@ -8,13 +8,17 @@ ids with the action mask as run lengths.
 
 Sampling keeps a large run's logs small: every `every_n_steps`-th training step (every evaluation), only the groups
 of the named `tasks`, or the first `groups_per_tier` groups of each tier; `max_disk_mb` bounds the folder, the oldest
-step files going first (said once). Records are built and written on a background thread, so a training step only
-hands its episodes over; each file appears whole (written under a temporary name, then renamed) or not at all.
+step files going first (said once). Records are built and written by a process of their own at idle priority, so
+a training step only hands its episodes over; each file appears whole (written under a temporary name, then renamed)
+or not at all.
 """
 
 import gzip
 import json
+import multiprocessing
+import os
 import queue
+import signal
 import threading
 import time
 import warnings
@@ -159,6 +163,19 @@ def episode_records(
     return records
 
 
+def lower_to_idle_priority(pid: int = 0) -> None:
+    """Put a thread (0: the calling one; else a process's main thread, whose later threads inherit it) in Linux's
+    idle scheduling class (SCHED_IDLE; else at nice 19): it then runs on the CPU time the training leaves, never
+    taking a core from torch's intra-op threads. A no-op off Linux."""
+    try:
+        os.sched_setscheduler(pid, os.SCHED_IDLE, os.sched_param(0))
+    except (AttributeError, OSError):
+        try:
+            os.setpriority(os.PRIO_PROCESS, pid or threading.get_native_id(), 19)
+        except (AttributeError, OSError):
+            pass
+
+
 def decode_all(tokenizer, pieces: list[list[int]]) -> list[str]:
     """`tokenizer.decode(piece, skip_special_tokens=False)` of each piece, in one call to the fast tokenizer's
     Rust backend where that gives the same text (no clean-up of spaces): per call, `decode`'s Python overhead
@@ -170,23 +187,30 @@ def decode_all(tokenizer, pieces: list[list[int]]) -> list[str]:
 
 
 class TrajectoryLog:
-    """Writes the sampled episodes of each step under `root/<stream>/` on a background thread, started by the
-    first step handed over (only the generating rank ever logs); `close` waits for what is queued."""
+    """Hands the sampled episodes of each step to a writer process (spawned by the first step handed over, at idle
+    priority; only the generating rank ever logs), which writes them under `root/<stream>/`. A step costs the
+    training process only pickling its episodes (about 1 ms for 128): in a thread, building and encoding the
+    records held the GIL the training loop needs. What the writer has to say (a step not written, old steps pruned)
+    is said here, at the next step or at `close`, which waits for what is queued."""
 
     def __init__(self, root: str | Path, tokenizer, tokenizer_path: str, sampling: Sampling, reward_kind: str):
         self.root, self.tokenizer, self.sampling, self.reward_kind = Path(root), tokenizer, sampling, reward_kind
         self.tokenizer_path = str(tokenizer_path)
-        self.sizes: dict[Path, int] = {}
         self.pruned_warned = False
-        self.queue: queue.Queue = queue.Queue(maxsize=4)  # a slow disk holds back the run, never drops a step
-        self.thread: threading.Thread | None = None
+        self.process = None
+        self.queue = self.said = None
 
     def _start(self) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
         (self.root / META).write_text(json.dumps({"tokenizer": self.tokenizer_path}))
-        self.sizes = {p: p.stat().st_size for p in self.root.glob("*/step_*.jsonl.gz")}  # a resumed run's too
-        self.thread = threading.Thread(target=self._write_loop, name="trajectory-log", daemon=True)
-        self.thread.start()
+        context = multiprocessing.get_context("spawn")  # not fork: the trainer's threads and CUDA state stay home
+        self.queue = context.Queue(maxsize=4)  # a slow disk holds back the run, never drops a step
+        self.said = context.Queue()
+        writer = Writer(self.root, self.tokenizer, self.sampling, self.reward_kind)
+        self.process = context.Process(target=writer.run, args=(self.queue, self.said), name="trajectory-log")
+        self.process.daemon = True
+        self.process.start()
+        lower_to_idle_priority(self.process.pid)  # from its first import on
 
     def log_step(
         self,
@@ -200,27 +224,81 @@ class TrajectoryLog:
         if not chosen:
             return
         episodes = [(g, t, (advantages or {}).get(id(t))) for g in chosen for t in groups[g]]
-        if self.thread is None:
+        if self.process is None:
             self._start()
-        self.queue.put((stream, step, episodes))
+        self._hand_over((stream, step, episodes))
+        self._say()
 
     def close(self) -> None:
-        """Write what is queued, then stop the thread (a later step starts it again)."""
-        if self.thread is not None:
-            self.queue.put(None)
-            self.thread.join()
-            self.thread = None
+        """Write what is queued, then stop the writer (a later step starts another)."""
+        if self.process is None:
+            return
+        if self.process.is_alive():
+            self._hand_over(None)
+        elif self.process.exitcode:
+            warnings.warn(f"{self._died()}: what it had queued was not written", stacklevel=2)
+        while self.process.is_alive():  # what it says is read meanwhile, so a full pipe never holds it back
+            self.process.join(timeout=0.1)
+            self._say()
+        self._say()
+        self.queue.close()
+        self.process = None
 
-    def _write_loop(self) -> None:
-        while (item := self.queue.get()) is not None:
+    def _hand_over(self, item) -> None:
+        """Queue `item` for the writer, waiting while the queue is full; a writer that has died stops the run."""
+        while self.process.is_alive():
+            try:
+                return self.queue.put(item, timeout=1.0)
+            except queue.Full:
+                continue
+        raise RuntimeError(f"{self._died()}; trajectories.enabled=false runs without the logs")
+
+    def _died(self) -> str:
+        return f"the trajectory writer process died (exit code {self.process.exitcode})"
+
+    def _say(self) -> None:
+        """Warn here what the writer reported: each step not written, the disk bound once."""
+        while True:
+            try:
+                kind, message = self.said.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "pruned" and self.pruned_warned:
+                continue
+            self.pruned_warned |= kind == "pruned"
+            warnings.warn(message, stacklevel=3)
+
+
+class Writer:
+    """The writer process: builds each step's records and writes them whole (a temporary name, then renamed), with
+    a line per step in the stream's index; keeps the folder under `max_disk_mb`."""
+
+    def __init__(self, root: Path, tokenizer, sampling: Sampling, reward_kind: str):
+        self.root, self.tokenizer, self.sampling, self.reward_kind = root, tokenizer, sampling, reward_kind
+        self.sizes: dict[Path, int] = {}
+        self.pruned_said = False
+
+    def run(self, steps, said) -> None:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C stops the run, which then closes the log: all written
+        self.sizes = {p: p.stat().st_size for p in self.root.glob("*/step_*.jsonl.gz")}  # a resumed run's too
+        self.said = said
+        steps._writer.close()  # only the training process holds the queue's write end, so its death reads as EOF
+        said._reader.close()
+        while True:
+            try:
+                item = steps.get()
+            except (EOFError, OSError):
+                return  # the training process was killed: what it had handed over is written, nothing more comes
+            if item is None:
+                return
             stream, step, episodes = item
             try:
                 self._write(stream, step, episodes)
             except Exception as error:  # noqa: BLE001 (a logging failure must not stop training; it is said)
-                warnings.warn(f"trajectory log: step {step} of {stream} was not written: {error}", stacklevel=1)
+                said.put(("failed", f"trajectory log: step {step} of {stream} was not written: {error}"))
 
     def _write(self, stream: str, step: int, episodes: list) -> None:
-        started = time.thread_time()  # this thread's CPU time: what the logs cost, kept in the index line
+        started = time.thread_time()  # the writer's CPU time: what the logs cost, kept in the index line
         folder = self.root / stream
         folder.mkdir(exist_ok=True)
         path = step_path(folder, step)
@@ -243,13 +321,13 @@ class TrajectoryLog:
         for oldest in sorted(self.sizes, key=lambda p: (p.name, p.parent.name)):
             if sum(self.sizes.values()) <= limit or oldest == keep:
                 break
-            if not self.pruned_warned:
-                warnings.warn(
+            if not self.pruned_said:
+                self.said.put((
+                    "pruned",
                     f"trajectory logs over trajectories.max_disk_mb={self.sampling.max_disk_mb}: removing the oldest "
                     f"step files, from {oldest.parent.name}/{oldest.name} on (sample fewer episodes to keep them all)",
-                    stacklevel=1,
-                )
-                self.pruned_warned = True
+                ))  # fmt: skip
+                self.pruned_said = True
             oldest.unlink(missing_ok=True)
             del self.sizes[oldest]
 

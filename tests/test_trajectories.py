@@ -2,7 +2,14 @@
 
 import gzip
 import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
 import warnings
+from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
@@ -14,6 +21,7 @@ from canopy.trajectories import (
     Sampling,
     TrajectoryLog,
     expand_runs,
+    lower_to_idle_priority,
     mask_runs,
     read_index,
     read_step,
@@ -70,6 +78,68 @@ def test_a_training_step_is_logged_turn_by_turn_with_its_advantages(tokenizer, t
     kinds = ["all_success" if all(g) else "all_fail" if not any(g) else "mixed" for g in groups]
     assert summary["groups"] == {kind: kinds.count(kind) for kind in set(kinds)}
     assert 0 < summary["write_cpu_ms"] < 10_000  # what writing the step cost the writer thread (the logs' own cost)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="SCHED_IDLE is Linux's")
+def test_the_writer_is_a_process_at_idle_priority_and_the_training_thread_keeps_its_own(tokenizer, tmp_path):
+    seen = []
+    probe = threading.Thread(target=lambda: (lower_to_idle_priority(), seen.append(os.sched_getscheduler(0))))
+    probe.start()
+    probe.join()
+    assert seen == [os.SCHED_IDLE] and os.sched_getscheduler(0) == os.SCHED_OTHER  # per thread, not the process
+    log = TrajectoryLog(tmp_path, tokenizer, "m", Sampling(), "sparse")
+    dm = datamodule(tokenizer, ScriptedEngine(tokenizer, ["login", "key", "unlock"]), trajectory_log=log)
+    dm.next_batch()
+    written = tmp_path / "train" / "step_000000.jsonl.gz"
+    deadline = time.monotonic() + 60
+    while not written.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert log.process.pid != os.getpid() and os.sched_getscheduler(log.process.pid) == os.SCHED_IDLE
+    log.close()
+    assert len(read_step(written)) == 12 and os.sched_getscheduler(0) == os.SCHED_OTHER
+
+
+KILLED_TRAINER = """
+import os, signal, sys
+from transformers import AutoTokenizer
+from canopy.envs.base import Task
+from canopy.trajectories import Sampling, TrajectoryLog
+from tests.test_datamodule import trajectory
+log = TrajectoryLog(sys.argv[2], AutoTokenizer.from_pretrained(sys.argv[1]), "m", Sampling(), "sparse")
+for step in range(3):
+    log.log_step("train", step, [[trajectory(Task("a", 1, "s"), i, success=True, length=50) for i in range(8)]])
+log.queue.close()
+log.queue.join_thread()  # the three steps are in the pipe (a step still in the trainer's buffer dies with it)
+print(log.process.pid, flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_killed_trainer_leaves_its_steps_written_and_no_writer_behind(tiny_path, tmp_path):
+    killed = subprocess.run(
+        [sys.executable, "-c", KILLED_TRAINER, str(tiny_path), str(tmp_path)],
+        capture_output=True,  # returns only once every process holding its pipes is gone: the writer too
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).parents[1],
+    )
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    stat = Path(f"/proc/{int(killed.stdout.split()[0])}/stat")
+    assert not stat.exists() or stat.read_text().split()[2] == "Z"  # the writer exited (reaped, or a zombie)
+    assert sorted(p.name for p in (tmp_path / "train").glob("step_*")) == [f"step_00000{i}.jsonl.gz" for i in range(3)]
+
+
+def test_a_dead_writer_stops_the_step_with_its_cause(tokenizer, tmp_path):
+    a = Task("a", 1, "s")
+    log = TrajectoryLog(tmp_path, tokenizer, "m", Sampling(), "sparse")
+    log.log_step("train", 0, [[trajectory(a, 0, success=True)]])
+    log.process.kill()
+    log.process.join()
+    with pytest.raises(RuntimeError, match=r"trajectory writer process died \(exit code -9\); trajectories.enabled"):
+        log.log_step("train", 1, [[trajectory(a, 0, success=True)]])
+    with pytest.warns(UserWarning, match=r"died \(exit code -9\): what it had queued was not written"):
+        log.close()
 
 
 def test_the_index_keeps_the_last_line_of_a_step_and_skips_a_torn_one(tmp_path):

@@ -4,9 +4,11 @@ opens from disk, the address navigates to an episode, and the DOM shows that epi
 import gzip
 import html
 import json
+import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import matplotlib
@@ -145,16 +147,31 @@ def test_the_callback_rebuilds_the_page_every_n_steps_without_holding_a_step(run
     viewer = RolloutViewer(every_n_steps=2)
     trainer = SimpleNamespace(default_root_dir=str(run_dir), global_step=1, is_global_zero=True)
     viewer.on_train_batch_end(trainer, None, None, None, 0)
-    assert viewer.thread is None  # not a multiple of 2
+    assert viewer.process is None  # not a multiple of 2
     trainer.global_step = 2
     viewer.on_train_batch_end(trainer, None, None, None, 0)
-    building = viewer.thread
+    building = viewer.process
     trainer.global_step = 4
     viewer.on_train_batch_end(trainer, None, None, None, 0)  # while the first build runs, none is stacked on it
-    assert viewer.thread is building or not building.is_alive()
-    assert viewer.final(run_dir) == run_dir / "viewer.html" and not viewer.thread.is_alive()
+    assert viewer.process is building or building.poll() == 0
+    assert building.wait() == 0 and (run_dir / "viewer.html").stat().st_size > 10_000  # built by the process
+    (run_dir / "viewer.html").unlink()
+    assert viewer.final(run_dir) == run_dir / "viewer.html" and viewer.process.poll() == 0
     assert (run_dir / "viewer.html").stat().st_size > 10_000
     follower = RolloutViewer(every_n_steps=1)
     follower.on_train_batch_end(SimpleNamespace(default_root_dir=str(run_dir), global_step=3, is_global_zero=False),
                                 None, None, None, 0)  # fmt: skip
-    assert follower.thread is None  # only the generating rank builds
+    assert follower.process is None  # only the generating rank builds
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="SCHED_IDLE is Linux's")
+def test_the_callback_builds_in_a_process_at_idle_priority(run_dir):
+    from types import SimpleNamespace
+
+    from canopy.callbacks import RolloutViewer
+
+    viewer = RolloutViewer(every_n_steps=1)
+    viewer.on_train_batch_end(SimpleNamespace(default_root_dir=str(run_dir), global_step=1, is_global_zero=True),
+                              None, None, None, 0)  # fmt: skip
+    policy = os.sched_getscheduler(viewer.process.pid)  # while it imports or builds
+    assert viewer.process.wait() == 0 and policy == os.SCHED_IDLE and os.sched_getscheduler(0) == os.SCHED_OTHER

@@ -1,37 +1,35 @@
 """The rollout viewer as the run goes: `<run>/viewer.html` (canopy/tools/viewer.py) rebuilt every `every_n_steps`
-steps on a background thread of the generating rank (a build still running when the next is due is skipped, so it
-never holds a step back), and once more when the run ends (`final`, called by train.py after its last figures)."""
+steps by a process of its own at idle priority, started by the generating rank (a build still running when the next
+is due is skipped, so it never holds a step back; reading the logs and encoding the page on a thread held the GIL the
+training loop needs), and once more when the run ends (`final`, called by train.py after its last figures)."""
 
-import threading
+import subprocess
+import sys
 from pathlib import Path
 
 import lightning as L
 
 from canopy.tools.viewer import build_viewer
+from canopy.trajectories import lower_to_idle_priority
 
 
 class RolloutViewer(L.Callback):
     def __init__(self, every_n_steps: int = 20, steps: int = 5, max_chars: int = 4000):
         self.every_n_steps, self.steps, self.max_chars = every_n_steps, steps, max_chars
-        self.thread: threading.Thread | None = None
-        self.run_dir: Path | None = None
+        self.process: subprocess.Popen | None = None
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        self.run_dir = Path(trainer.default_root_dir)
         step = trainer.global_step
         if not trainer.is_global_zero or not self.every_n_steps or step % self.every_n_steps:
             return
-        if self.thread is not None and self.thread.is_alive():
+        if self.process is not None and self.process.poll() is None:
             return
-        self.thread = threading.Thread(target=self.build, name="rollout-viewer", daemon=True)
-        self.thread.start()
-
-    def build(self) -> Path:
-        return build_viewer(self.run_dir, self.steps, self.max_chars)
+        arguments = [str(trainer.default_root_dir), str(self.steps), str(self.max_chars)]
+        self.process = subprocess.Popen([sys.executable, "-m", "canopy.tools.viewer", *arguments])
+        lower_to_idle_priority(self.process.pid)  # from its first import on
 
     def final(self, run_dir: str | Path) -> Path:
         """The last build, after every log and figure of the run is written."""
-        if self.thread is not None:
-            self.thread.join()
-        self.run_dir = Path(run_dir)
-        return self.build()
+        if self.process is not None:
+            self.process.wait()
+        return build_viewer(Path(run_dir), self.steps, self.max_chars)

@@ -12,6 +12,7 @@ texts are cut to `max_chars` (head and tail kept). The address names what is sho
 
 import base64
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -80,3 +81,7 @@ def build_viewer(run_dir: str | Path, steps: int = 5, max_chars: int = 4000) -> 
     staged.write_text(page, encoding="utf-8")
     staged.replace(out)
     return out
+
+
+if __name__ == "__main__":  # a build of the rollout viewer callback, in a process of its own: <run dir> <steps> <chars>
+    build_viewer(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))
