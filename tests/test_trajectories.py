@@ -77,7 +77,7 @@ def test_a_training_step_is_logged_turn_by_turn_with_its_advantages(tokenizer, t
     groups = [[r["verdict"]["success"] for r in records if r["group"] == g] for g in range(3)]
     kinds = ["all_success" if all(g) else "all_fail" if not any(g) else "mixed" for g in groups]
     assert summary["groups"] == {kind: kinds.count(kind) for kind in set(kinds)}
-    assert 0 < summary["write_cpu_ms"] < 10_000  # what writing the step cost the writer thread (the logs' own cost)
+    assert 0 < summary["write_cpu_ms"] < 10_000  # what writing the step cost the writer process (the logs' own cost)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="SCHED_IDLE is Linux's")
