@@ -63,11 +63,16 @@ from canopy.trajectories import INDEX, Sampling, TrajectoryLog, read_index  # no
 DESIGNS = ("thread", "process")  # the writer as it was (a thread of the training process), and as it is
 
 
+def step_episodes(groups, advantages) -> list:
+    """A step's episodes as the trajectory log hands them to its writer: (group, trajectory, advantage)."""
+    return [(g, t, (advantages or {}).get(id(t))) for g, group in enumerate(groups) for t in group]
+
+
 class Capture:
     """Stands in for the trajectory log to keep one step's episodes."""
 
     def log_step(self, stream, step, groups, advantages=None):
-        self.episodes = [(g, t, (advantages or {}).get(id(t))) for g, group in enumerate(groups) for t in group]
+        self.episodes = step_episodes(groups, advantages)
 
 
 class ThreadLog:
@@ -83,8 +88,7 @@ class ThreadLog:
             self.steps.task_done()
 
     def log_step(self, stream, step, groups, advantages=None):
-        episodes = [(g, t, (advantages or {}).get(id(t))) for g, group in enumerate(groups) for t in group]
-        self.steps.put((stream, step, episodes))
+        self.steps.put((stream, step, step_episodes(groups, advantages)))
 
     def wait(self) -> None:
         self.steps.join()

@@ -283,7 +283,7 @@ class Writer:
         self.sizes = {p: p.stat().st_size for p in self.root.glob("*/step_*.jsonl.gz")}  # a resumed run's too
         self.said = said
         steps._writer.close()  # only the training process holds the queue's write end, so its death reads as EOF
-        said._reader.close()
+        self.said._reader.close()
         while True:
             try:
                 item = steps.get()
@@ -295,7 +295,7 @@ class Writer:
             try:
                 self._write(stream, step, episodes)
             except Exception as error:  # noqa: BLE001 (a logging failure must not stop training; it is said)
-                said.put(("failed", f"trajectory log: step {step} of {stream} was not written: {error}"))
+                self.said.put(("failed", f"trajectory log: step {step} of {stream} was not written: {error}"))
 
     def _write(self, stream: str, step: int, episodes: list) -> None:
         started = time.thread_time()  # the writer's CPU time: what the logs cost, kept in the index line
