@@ -17,18 +17,25 @@ import time
 import torch
 
 from canopy.mismatch import CORRECTIONS, RolloutCorrection, sequence_log_ratio
-from canopy.modules.logprobs import token_logprobs
+from canopy.modules.logprobs import model_token_logprobs
 from canopy.modules.policy import load_policy
 from canopy.objective import canopy_loss
 from canopy.tools.tiny_model import build_tiny_checkpoint
+
+
+def logprobs_of(policy, input_ids: torch.Tensor) -> torch.Tensor:
+    """The trainer's logprobs (decoder, then its chunked `LogprobHead`), of each token as its own target."""
+    positions = torch.arange(input_ids.shape[1]).expand_as(input_ids)
+    inputs = {"tokens": input_ids, "positions": positions, "targets": input_ids}
+    return model_token_logprobs(policy, inputs, 1.0, chunk_tokens=2048)[0]
 
 
 def update(policy, batch: dict, recompute_old: bool = False, correction: RolloutCorrection | None = None) -> None:
     input_ids, mask = batch["input_ids"], batch["mask"]
     if recompute_old:
         with torch.no_grad():
-            old, _ = token_logprobs(policy(input_ids), input_ids, 1.0)
-    logprobs, _ = token_logprobs(policy(input_ids), input_ids, 1.0)
+            old = logprobs_of(policy, input_ids)
+    logprobs = logprobs_of(policy, input_ids)
     old = old if recompute_old else logprobs.detach()
     weights = None
     if correction is not None:
@@ -55,7 +62,7 @@ def main() -> None:
     vocab = policy.config.vocab_size
     input_ids = torch.randint(0, vocab, (args.batch, args.seq_len))
     with torch.no_grad():
-        current, _ = token_logprobs(policy(input_ids), input_ids, 1.0)
+        current = logprobs_of(policy, input_ids)
     batch = {
         "input_ids": input_ids,
         "mask": (torch.rand(args.batch, args.seq_len) < 0.5).float(),

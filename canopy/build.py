@@ -173,6 +173,7 @@ def build_module(cfg: DictConfig, model_path: str, engine: EngineHandle | None =
         grad_clip=o.grad_clip,
         temperature=cfg.sampling.temperature,
         micro_batch_tokens=cfg.trainer.micro_batch_tokens,
+        logprob_chunk_tokens=cfg.trainer.logprob_chunk_tokens,
         parallel=ParallelSettings(**cfg.parallelism),
         engine=engine,
         seed=cfg.seed,

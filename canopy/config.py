@@ -104,6 +104,11 @@ def validate(cfg: DictConfig) -> None:
         f"trainer.micro_batch_tokens={t.micro_batch_tokens} must be a positive integer",
     )
 
+    require(
+        is_int(t.logprob_chunk_tokens) and t.logprob_chunk_tokens >= 1,
+        f"trainer.logprob_chunk_tokens={t.logprob_chunk_tokens} must be a positive integer (e.g. 2048)",
+    )
+
     p = cfg.parallelism
     for key in ("dp_replicate", "dp_shard", "tp", "cp"):
         require(is_int(p[key]) and p[key] >= 1, f"parallelism.{key}={p[key]} must be a positive integer")

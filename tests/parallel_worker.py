@@ -12,7 +12,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from canopy.modules.logprobs import token_logprobs
+from canopy.modules.logprob_head import ChunkedLogprobs, token_logprobs
+from canopy.modules.logprobs import model_token_logprobs
 from canopy.modules.parallel import ParallelSettings, build_parallel_policy, data_parallel_rank, gather_on_rank0
 from canopy.modules.policy import export_hf_state_dict, iter_hf_weights, load_policy, unwrap
 from canopy.objective import canopy_loss
@@ -50,19 +51,27 @@ def batch(vocab: int):
     return ids, targets, mask, advantages
 
 
-def loss_and_grads(model, ids, targets, mask, advantages, ref, rows, n_tokens):
+def loss_and_grads(model, ids, targets, mask, advantages, ref, rows, n_tokens, chunk_tokens=None):
     """Loss and gradients as the module computes them (temperature 0.7, entropy bonus 0.01, so both the
-    logprobs and the entropy carry gradient); also the vocabulary width of the logits this rank holds and how
-    many DTensors were gathered whole on the way."""
-    with mock.patch.object(DTensor, "full_tensor", autospec=True, side_effect=DTensor.full_tensor) as gathered:
-        logits = model(ids[rows])
-        logprobs, entropy = token_logprobs(logits, targets[rows], 0.7)
+    logprobs and the entropy carry gradient): through the chunked `LogprobHead`, `chunk_tokens` at a time, or with
+    `chunk_tokens=None` through whole logits (the unchunked path). Also the vocabulary rows of the head's weight
+    this rank scored with and how many DTensors were gathered whole on the way."""
+    with (
+        mock.patch.object(DTensor, "full_tensor", autospec=True, side_effect=DTensor.full_tensor) as gathered,
+        mock.patch.object(ChunkedLogprobs, "apply", side_effect=ChunkedLogprobs.apply) as head,
+    ):
+        if chunk_tokens is None:
+            logprobs, entropy = token_logprobs(model(ids[rows]), targets[rows], 0.7)
+        else:
+            positions = torch.arange(ids.shape[1]).expand(len(ids[rows]), -1)
+            inputs = {"tokens": ids[rows], "positions": positions, "targets": targets[rows]}
+            logprobs, entropy = model_token_logprobs(model, inputs, 0.7, chunk_tokens)
     loss, _ = canopy_loss(
         logprobs, logprobs.detach(), ref[rows], advantages[rows], mask[rows], kl_coef=0.1, num_action_tokens=n_tokens
     )
     loss = loss - 0.01 * (entropy * mask[rows]).sum() / n_tokens
     loss.backward()
-    local_vocab = (logits.to_local() if isinstance(logits, DTensor) else logits).shape[-1]
+    local_vocab = head.call_args.args[1].shape[0] if head.called else None
     return loss.detach(), local_vocab, gathered.call_count
 
 
@@ -82,7 +91,7 @@ def main(rank: int, world: int, port: int, path: str, dp: int, tp: int, out: str
     model, adapter, dims = build_parallel_policy(path, settings, world, torch.device("cpu"))
     dp_rank, dp_size = data_parallel_rank(dims)
     rows = torch.arange(4)[dp_rank::dp_size]
-    loss, local_vocab, gathered = loss_and_grads(model, ids, targets, mask, advantages, ref, rows, mask.sum())
+    loss, local_vocab, gathered = loss_and_grads(model, ids, targets, mask, advantages, ref, rows, mask.sum(), 7)
     if dp_size > 1:
         dist.all_reduce(loss, group=dims.get_mesh("batch").get_group())
     # relative to each gradient's scale: max |g - g_ref| / max |g_ref|, per tensor

@@ -28,7 +28,7 @@ from canopy.objective import canopy_loss
 from tests.parallel_worker import run_ranks, spawn_from_argv
 
 ROOT = Path(__file__).resolve().parents[1]
-HPARAMS = dict(kl_coef=0.1, entropy_coef=0.01, temperature=0.7, micro_batch_tokens=45)
+HPARAMS = dict(kl_coef=0.1, entropy_coef=0.01, temperature=0.7, micro_batch_tokens=45, logprob_chunk_tokens=7)
 
 
 def rollout_batch(vocab: int) -> RolloutBatch:
@@ -101,12 +101,14 @@ def test_aligned_targets_match_the_shifted_formulation(tiny_path):
 
     aligned = module_with(load_policy(tiny_path)[0], load_policy(tiny_path)[0], None)
     aligned.hparams.micro_batch_tokens = 10_000  # one micro-batch, as above
+    aligned.hparams.logprob_chunk_tokens = 10_000  # and one chunk of the head (chunking: tests/test_logprob_head.py)
     _, _, partials = step_backward(aligned, batch, order=torch.arange(6))  # rows stay in order: lengths decrease
-    # equal up to float32 summation order over one more (masked) column: 1e-7 relative
+    # equal up to float32 summation order over one more (masked) column (1e-7 relative), and the head's analytic
+    # backward, which rounds differently from autograd through log_softmax (gradients 1e-6 relative)
     for key, value in expected.items():
         assert abs(partials[key] - value.item()) <= 1e-7 * max(1.0, abs(value.item())), key
     for (name, p), (_, q) in zip(previous.policy.named_parameters(), aligned.policy.named_parameters(), strict=True):
-        assert (p.grad - q.grad).abs().max() <= 1e-7 * p.grad.abs().max(), name
+        assert (p.grad - q.grad).abs().max() <= 1e-6 * p.grad.abs().max(), name
 
 
 def test_sequence_inputs_shard_whole_loss_terms_head_tail():

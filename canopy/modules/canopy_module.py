@@ -10,7 +10,7 @@ from lightning.fabric.utilities.apply_func import move_data_to_device
 from canopy.config import CP_NEEDS_GPU, CP_SEQ_MEAN, ConfigError
 from canopy.datamodules.rollout import RolloutBatch
 from canopy.mismatch import OffPolicyError, RolloutCorrection, correction_metrics, mismatch_metrics, sequence_log_ratio
-from canopy.modules.logprobs import padded_width, sequence_inputs, token_logprobs
+from canopy.modules.logprobs import model_token_logprobs, padded_width, sequence_inputs
 from canopy.modules.parallel import (
     ParallelSettings,
     all_reduce_max,
@@ -63,6 +63,7 @@ class CanopyModule(L.LightningModule):
         grad_clip: float | None = 1.0,
         temperature: float = 1.0,
         micro_batch_tokens: int = 16384,
+        logprob_chunk_tokens: int = 2048,
         parallel: ParallelSettings | None = None,
         engine: EngineHandle | None = None,
         seed: int = 0,
@@ -138,8 +139,8 @@ class CanopyModule(L.LightningModule):
             self.engine.sync(self.iter_hf_weights(), self.weight_version, self.trainer.is_global_zero)
 
     def _logprobs(self, model: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = model(inputs["tokens"], inputs["positions"])
-        return token_logprobs(logits, inputs["targets"], self.hparams.temperature)
+        h = self.hparams
+        return model_token_logprobs(model, inputs, h.temperature, h.logprob_chunk_tokens)
 
     def _micro_batches(self, batch) -> list[tuple[torch.Tensor, bool]]:
         """(rows, real) groups of at most `micro_batch_tokens`. Every data-parallel shard runs as many as the

@@ -1,11 +1,9 @@
 """The trainer's log-probabilities of the sampled tokens (pi_theta and pi_ref of Eqs. 6-8), kept apart from the
-step that uses them: per-position alignment of a rollout batch (with the context-parallel split), and the
-target log-probability and entropy at the sampling temperature, whole or from vocabulary-sharded (TP) logits."""
+step that uses them: per-position alignment of a rollout batch (with the context-parallel split), and each
+position's target log-probability and entropy at the sampling temperature from a model whose head is a
+`LogprobHead` (`canopy.modules.logprob_head`: chunked over tokens, vocabulary-sharded under TP)."""
 
 import torch
-import torch.distributed as dist
-from torch.distributed.nn.functional import all_reduce
-from torch.distributed.tensor import DTensor, Shard
 from torchtitan.distributed.context_parallel import cp_shard
 
 from canopy.datamodules.rollout import RolloutBatch
@@ -47,60 +45,15 @@ def padded_width(width: int, cp_mesh) -> int:
     return -(-width // multiple) * multiple
 
 
-def token_logprobs(
-    logits: torch.Tensor, targets: torch.Tensor, temperature: float
+def model_token_logprobs(
+    model: torch.nn.Module, inputs: dict[str, torch.Tensor], temperature: float, chunk_tokens: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-probability of each position's target and the entropy of its distribution, at the sampling temperature.
-
-    `logits` [B, T, V] and `targets` [B, T] are aligned (see `sequence_inputs`); outputs are [B, T]. Scoring at
-    the engine's temperature makes the trainer's pi_theta the distribution the rollouts were actually drawn from.
-    Logits that tensor parallelism leaves sharded over the vocabulary go to `vocab_parallel_token_logprobs`.
-    """
-    if isinstance(logits, DTensor):
-        return vocab_parallel_token_logprobs(logits, targets, temperature)
-    log_probs = torch.log_softmax(logits.float() / temperature, dim=-1)
-    chosen = log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    entropy = -(log_probs.exp() * log_probs).sum(-1)
-    return chosen, entropy
-
-
-def vocab_parallel_token_logprobs(
-    logits: DTensor, targets: torch.Tensor, temperature: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`token_logprobs` for logits column-sharded over the vocabulary (TP's output projection, `Shard(-1)`).
-
-    Each rank keeps its [B, T, V/tp] slice: log-softmax = logit - max - log sum exp, with the max and the sum of
-    exponentials all-reduced over the TP group, and the target's log-probability (pi_theta of Eq. 6-8) and the
-    entropy summed from the shards. Exact and differentiable, without building the full [B, T, V] logits.
-    Gradients: every shard uses the sum of exponentials, so its backward sums over the group too; the outputs
-    feed the same loss on every TP rank, so theirs is the identity.
-    """
-    if logits.placements != (Shard(logits.ndim - 1),):
-        raise ValueError(f"expected logits sharded over the vocabulary by TP, got placements {logits.placements}")
-    group = logits.device_mesh.get_group()
-    local = logits.to_local().float() / temperature
-    width = -(-logits.shape[-1] // dist.get_world_size(group))  # DTensor shards like torch.chunk
-    shift = local.detach().amax(-1, keepdim=True)  # any shift gives the same log-softmax and gradient
-    dist.all_reduce(shift, op=dist.ReduceOp.MAX, group=group)
-    shifted = local - shift
-    log_probs = shifted - all_reduce(shifted.exp().sum(-1, keepdim=True), group=group).log()
-    targets = targets - dist.get_rank(group) * width
-    owned = (targets >= 0) & (targets < local.shape[-1])
-    picked = log_probs.gather(-1, targets.clamp(0, local.shape[-1] - 1).unsqueeze(-1)).squeeze(-1)
-    partials = torch.stack([torch.where(owned, picked, 0.0), (log_probs.exp() * log_probs).sum(-1)])
-    chosen, neg_entropy = _SumOverGroup.apply(partials, group)
-    return chosen, -neg_entropy
-
-
-class _SumOverGroup(torch.autograd.Function):
-    """All-reduce sum over the TP group whose backward is the identity: for results every rank uses alike."""
-
-    @staticmethod
-    def forward(ctx, tensor: torch.Tensor, group) -> torch.Tensor:
-        tensor = tensor.clone()
-        dist.all_reduce(tensor, group=group)
-        return tensor
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return grad, None
+    """`model`'s target log-probabilities and entropies [B, T] for aligned `inputs` (`sequence_inputs`): the
+    decoder's final hidden states (TorchTitan's `_skip_lm_head`, as its chunked loss runs it), then the model's
+    `LogprobHead`, `chunk_tokens` tokens at a time. Under CP each rank scores its own positions."""
+    model._skip_lm_head = True
+    try:
+        hidden = model(inputs["tokens"], inputs["positions"])
+    finally:
+        model._skip_lm_head = False
+    return model.lm_head(hidden, inputs["targets"], temperature, chunk_tokens)

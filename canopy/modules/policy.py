@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 from torch.distributed.tensor import DTensor
-from torchtitan.models.common import CosSinRoPE, Embedding, Linear
+from torchtitan.models.common import CosSinRoPE, Embedding
 from torchtitan.models.common.attention import ScaledDotProductAttention
 from torchtitan.models.common.config_utils import make_ffn_config, make_gqa_config
 from torchtitan.models.common.nn_modules import RMSNorm
@@ -25,6 +25,7 @@ from torchtitan.models.qwen3.model import Qwen3TransformerBlock
 from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter
 
 from canopy.config import ConfigError
+from canopy.modules.logprob_head import LogprobHead
 
 _INIT = {"weight": partial(torch.nn.init.normal_, std=0.02), "bias": torch.nn.init.zeros_}
 
@@ -97,7 +98,7 @@ def qwen3_config_from_hf(hf: dict, max_seq_len: int | None = None) -> Qwen3Model
         norm=norm(normalized_shape=dim),
         enable_weight_tying=bool(hf.get("tie_word_embeddings", False)),
         tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=dim, param_init=_INIT),
-        lm_head=Linear.Config(in_features=dim, out_features=vocab, param_init=_INIT),
+        lm_head=LogprobHead.Config(in_features=dim, out_features=vocab, param_init=_INIT),
         layers=layers,
     )
 

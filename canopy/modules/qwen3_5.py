@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torchtitan.distributed.utils import set_spmd_backend
-from torchtitan.models.common import Embedding, Linear
+from torchtitan.models.common import Embedding
 from torchtitan.models.common.attention import ScaledDotProductAttention, create_varlen_metadata_for_document
 from torchtitan.models.common.config_utils import make_ffn_config
 from torchtitan.models.qwen3_5 import (
@@ -34,6 +34,7 @@ from torchtitan.models.qwen3_5.state_dict_adapter import Qwen35StateDictAdapter
 
 from canopy.config import ConfigError
 from canopy.modules.gated_delta import causal_conv1d, chunk_gated_delta_rule
+from canopy.modules.logprob_head import LogprobHead
 
 TEXT_PREFIX = "model.language_model."  # where the adapter expects the language model's tensors
 CARRIED_THROUGH = ("model.visual.", "mtp.")  # checkpoint tensors the policy does not train: exported unchanged
@@ -118,7 +119,7 @@ def qwen3_5_config_from_hf(hf: dict, max_seq_len: int | None = None) -> Qwen35Mo
         norm=_offset_norm(dim),
         enable_weight_tying=bool(t.get("tie_word_embeddings", hf.get("tie_word_embeddings", False))),
         tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=dim, param_init=_EMBEDDING_INIT),
-        lm_head=Linear.Config(in_features=dim, out_features=vocab, param_init=_output_linear_init(dim)),
+        lm_head=LogprobHead.Config(in_features=dim, out_features=vocab, param_init=_output_linear_init(dim)),
         layers=layers,
         vision_encoder=_qwen35_vision_encoder_config(
             dim=8,
