@@ -12,6 +12,7 @@ from canopy.callbacks import RolloutViewer, build_callbacks
 from canopy.config import ConfigError, mean_group_size, validate
 from canopy.envs.base import SystemicFaultError
 from canopy.loggers import build_loggers, finish_loggers
+from canopy.memory import check_memory
 from canopy.mismatch import OffPolicyError
 from canopy.modules.canopy_module import silence_benign_warnings
 from canopy.modules.checkpoint import AtomicCheckpoint
@@ -27,6 +28,7 @@ def main(cfg: DictConfig) -> None:
     try:
         validate(cfg)
         model_path = ensure_model(cfg)
+        check_memory(cfg, model_path)  # a GPU run that cannot fit stops here, before any rollout
         engine = build_engine_handle(cfg, model_path)  # the run's one engine, lent to the data and the module
         datamodule = build_datamodule(
             cfg, model_path, engine, log_dir=run_dir / "env_logs", trajectory_dir=run_dir / "trajectories"

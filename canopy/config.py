@@ -108,6 +108,15 @@ def validate(cfg: DictConfig) -> None:
         is_int(t.logprob_chunk_tokens) and t.logprob_chunk_tokens >= 1,
         f"trainer.logprob_chunk_tokens={t.logprob_chunk_tokens} must be a positive integer (e.g. 2048)",
     )
+    require(
+        isinstance(t.memory_check, bool),
+        f"trainer.memory_check={t.memory_check} must be true (refuse a GPU run that cannot fit) or false",
+    )
+    require(
+        t.gpu_memory_gib is None or (isinstance(t.gpu_memory_gib, (int, float)) and t.gpu_memory_gib > 0),
+        f"trainer.gpu_memory_gib={t.gpu_memory_gib} must be null (the device's own) or the GPU's memory in GiB, "
+        "e.g. 79.6 for an H100 80 GB",
+    )
 
     p = cfg.parallelism
     for key in ("dp_replicate", "dp_shard", "tp", "cp"):

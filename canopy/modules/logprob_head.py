@@ -100,6 +100,7 @@ class ChunkedLogprobs(torch.autograd.Function):
                 dist.all_reduce(partial, group=group)
             stats[0, start:end], stats[1, start:end] = partial[0], -partial[1]
             stats[2, start:end], stats[3, start:end] = shift, log_sum
+            del log_p  # before the next chunk's logits exist
         ctx.save_for_backward(hidden, weight, targets, stats)
         ctx.temperature, ctx.chunk, ctx.group, ctx.vocab_start = temperature, chunk, group, vocab_start
         return stats[0].clone(), stats[1].clone()
@@ -126,6 +127,7 @@ class ChunkedLogprobs(torch.autograd.Function):
                 grad_hidden[start:end] = grad_z @ weight
             if grad_weight is not None:
                 _accumulate_weight_grad(grad_weight, grad_z, h)
+            del grad_z  # before the next chunk's logits exist
         grad_weight = None if grad_weight is None else grad_weight.to(weight.dtype)
         return grad_hidden, grad_weight, None, None, None, None, None
 

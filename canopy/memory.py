@@ -1,0 +1,482 @@
+"""The memory plan: what one GPU of the trainer and one GPU of an SGLang server hold, term by term, for a config,
+known before anything starts. `check_memory` refuses a run that cannot fit (train.py, before any rollout);
+`python -m canopy.tools.memory_plan` prints the plan for named GPUs.
+
+Per trainer GPU (E = this rank's share of the parameters: TP-sharded ones / tp, all of them / (dp_shard x cp)):
+- weights, gradients, AdamW's two moments and the frozen reference: float32, 4 + 4 + 8 + 4 bytes x E;
+- activations kept for backward by one micro-batch (`trainer.micro_batch_tokens`, or a longer sequence alone, / cp
+  tokens per rank), per decoder layer as the layer's own code saves them (traced on the meta device, so any model
+  family is planned from its TorchTitan definition) under none / selective / full checkpointing;
+- the working set on top at the step's worst moment: the logprob head (two float32 [chunk, vocab / tp] buffers,
+  plus its float32 weight-gradient accumulator in bf16 training) or one layer's backward (its recomputed
+  activations under checkpointing and its gradient temporaries), whichever is larger, or AdamW's step;
+- GPU only: FSDP's unsharded bf16 blocks and gradient buffers in flight, NCCL and the CUDA context, and headroom
+  for the caching allocator.
+Per SGLang GPU: bf16 weights / tp, then the KV cache (and Qwen3.5's recurrent state) that fits under
+`mem_fraction`, expressed as full-context episodes in flight.
+"""
+
+import json
+import math
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from functools import cache
+from pathlib import Path
+from unittest import mock
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from canopy.config import ConfigError
+
+GIB = 1 << 30
+GPUS = {"A100-80GB": 80.0, "H100-80GB": 79.6, "H200-141GB": 140.4}  # GiB, the total nvidia-smi reports
+MODEL_CONFIGS = Path(__file__).parent / "model_configs"  # config.json of the models the experiments name
+CUDA_CONTEXT_GIB = 1.0  # CUDA context, cuBLAS workspaces
+NCCL_GIB = 1.0  # NCCL's own buffers over a run's communicators
+ALLOCATOR_HEADROOM = 0.10  # fragmentation in PyTorch's caching allocator, on top of what tensors hold
+GRADIENT_TEMPORARIES = 2  # a layer's backward holds about this many [tokens, intermediate] gradient buffers
+PROBE_TOKENS = (128, 256)  # the token counts a layer is traced at: saved bytes are linear in tokens
+
+
+@dataclass(frozen=True)
+class Term:
+    name: str
+    bytes: float
+    detail: str
+    gpu_only: bool = False  # an estimate only a GPU can confirm (the CPU tests cannot measure it)
+
+
+@dataclass(frozen=True)
+class Plan:
+    role: str  # "trainer" or "sglang server"
+    terms: tuple[Term, ...]
+    working: dict[str, float] = field(default_factory=dict)  # the trainer: candidates for "working set"
+    note: str = ""
+    episodes: int | None = None  # a server: full-context episodes its KV cache holds at once
+
+    @property
+    def total(self) -> float:
+        return sum(term.bytes for term in self.terms)
+
+    def term(self, name: str) -> Term:
+        return next(term for term in self.terms if term.name == name)
+
+    def largest(self) -> Term:
+        return max(self.terms, key=lambda term: term.bytes)
+
+
+@dataclass(frozen=True)
+class TrainerLayout:
+    """What of the config decides the trainer's memory (`parallelism.*`, `trainer.*`, the budget's context)."""
+
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    tp: int = 1
+    cp: int = 1
+    sequence_parallel: bool = True
+    mixed_precision: str = "float32"
+    activation_checkpointing: str = "none"
+    micro_batch_tokens: int = 16384
+    max_context_tokens: int = 40960
+    logprob_chunk_tokens: int = 2048
+    device: str = "cuda"  # cuda | cpu: what the activations are traced for (kernels differ)
+
+    @property
+    def world(self) -> int:
+        return self.dp_replicate * self.dp_shard * self.tp * self.cp
+
+    @property
+    def fsdp(self) -> int:
+        """Ranks one parameter is sharded over: TorchTitan's FSDP mesh is dp_shard x cp."""
+        return self.dp_shard * self.cp
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """bf16 only through FSDP's mixed precision, i.e. on several processes; one process trains in float32."""
+        return torch.bfloat16 if self.world > 1 and self.mixed_precision == "bfloat16" else torch.float32
+
+    @property
+    def rank_tokens(self) -> int:
+        """Tokens one rank runs per forward: a micro-batch, or a longer sequence on its own, split over cp."""
+        return math.ceil(max(self.micro_batch_tokens, self.max_context_tokens) / self.cp)
+
+    @classmethod
+    def from_config(cls, cfg, device: str | None = None) -> "TrainerLayout":
+        p, t = cfg.parallelism, cfg.trainer
+        return cls(
+            dp_replicate=p.dp_replicate,
+            dp_shard=p.dp_shard,
+            tp=p.tp,
+            cp=p.cp,
+            sequence_parallel=p.sequence_parallel,
+            mixed_precision=p.mixed_precision,
+            activation_checkpointing=p.activation_checkpointing,
+            micro_batch_tokens=t.micro_batch_tokens,
+            max_context_tokens=cfg.budget.max_context_tokens,
+            logprob_chunk_tokens=t.logprob_chunk_tokens,
+            device=device or ("cpu" if t.accelerator == "cpu" else "cuda"),
+        )
+
+
+@dataclass(frozen=True)
+class LayerActivations:
+    """Bytes one decoder layer keeps for backward: `per_token` x tokens + `fixed`, of which `hidden_per_token`
+    are [tokens, hidden] tensors (the residual stream, which sequence parallelism shards over TP)."""
+
+    per_token: float
+    hidden_per_token: float
+    fixed: float = 0.0
+
+    def at(self, tokens: int) -> float:
+        return self.fixed + self.per_token * tokens
+
+
+@dataclass(eq=False)
+class ModelShape:
+    """What the plan needs of a model, read off its TorchTitan definition built on the meta device (no weights)."""
+
+    hf: dict
+    model: torch.nn.Module = field(repr=False)
+    hidden: int
+    intermediate: int
+    vocab: int
+    params: int  # trained parameters (text model)
+    tp_sharded: int  # of which matrices that TP splits (projections, embedding, head); vectors stay whole
+    largest_block: int  # parameters of the largest decoder layer (FSDP gathers one at a time)
+    largest_param: int
+    layer_kinds: list[int]  # each layer's index into `self.kind_layers` (layers that trace alike)
+    kind_layers: list[torch.nn.Module] = field(repr=False)
+
+    @classmethod
+    def from_hf(cls, hf: dict) -> "ModelShape":
+        from canopy.modules.policy import model_family, qwen3_config_from_hf
+
+        if model_family(hf) == "qwen3_5":
+            from canopy.modules.qwen3_5 import build_qwen3_5, text_config
+
+            _, model, _ = build_qwen3_5("unused", hf, meta=True)
+            text = text_config(hf)
+        else:
+            with torch.device("meta"):
+                model = qwen3_config_from_hf(hf).build()
+            text = hf
+        model.init_states(buffer_device=torch.device("meta"))
+        named = list(model.named_parameters())
+        layers = list(model.layers.values())
+        kinds, kind_layers = [], []
+        for layer in layers:
+            signature = [(n, tuple(p.shape)) for n, p in layer.named_parameters()]
+            known = [[(n, tuple(p.shape)) for n, p in k.named_parameters()] for k in kind_layers]
+            if signature not in known:
+                kind_layers.append(layer)
+                known.append(signature)
+            kinds.append(known.index(signature))
+        return cls(
+            hf=hf,
+            model=model,
+            hidden=text["hidden_size"],
+            intermediate=text["intermediate_size"],
+            vocab=text["vocab_size"],
+            params=sum(p.numel() for _, p in named),
+            tp_sharded=sum(p.numel() for _, p in named if p.dim() >= 2),
+            largest_block=max(sum(p.numel() for p in layer.parameters()) for layer in layers),
+            largest_param=max(p.numel() for _, p in named),
+            layer_kinds=kinds,
+            kind_layers=kind_layers,
+        )
+
+    def rank_params(self, tp: int, fsdp: int) -> float:
+        """Parameters one rank holds: TP splits the matrices, FSDP everything."""
+        return (self.tp_sharded / tp + (self.params - self.tp_sharded)) / fsdp
+
+    def activations(self, mode: str, dtype: torch.dtype, device: str) -> list[LayerActivations]:
+        """Each layer's saved bytes under activation checkpointing `mode`, for compute `dtype` on `device`."""
+        per_kind = [_traced_activations(self, k, mode, dtype, device) for k in range(len(self.kind_layers))]
+        return [per_kind[k] for k in self.layer_kinds]
+
+
+def read_model_config(model_path: str | None, name: str | None) -> dict:
+    """The config.json to plan with: the checkpoint's (`model.path`), else the shipped one of `model.name`."""
+    if model_path is not None:
+        return json.loads((Path(model_path) / "config.json").read_text())
+    known = sorted(p.stem for p in MODEL_CONFIGS.glob("*.json"))
+    if name is None or not (MODEL_CONFIGS / f"{name}.json").is_file():
+        raise ConfigError(
+            f"no model to plan: set model.path to a checkpoint directory, or model.name to one of {', '.join(known)}"
+        )
+    return json.loads((MODEL_CONFIGS / f"{name}.json").read_text())
+
+
+def trainer_plan(shape: ModelShape, layout: TrainerLayout) -> Plan:
+    """Per-GPU memory of the trainer at its peak (the policy's backward, or AdamW's step)."""
+    E = shape.rank_params(layout.tp, layout.fsdp)
+    c = torch.finfo(layout.compute_dtype).bits // 8
+    tokens, tp, sp = layout.rank_tokens, layout.tp, layout.sequence_parallel
+    gpu = layout.device == "cuda"
+    mode = layout.activation_checkpointing
+    saved_layers = shape.activations(mode, layout.compute_dtype, layout.device)
+    none_layers = shape.activations("none", layout.compute_dtype, layout.device)
+
+    def per_rank(layer: LayerActivations, mode: str) -> float:
+        """One layer's saved bytes on one rank. TP splits heads and the FFN; SP also splits the residual stream
+        (the layer's input, its norms) but not the [tokens, hidden] tensors held whole: the two norm outputs the
+        column-parallel projections gather (none), the row-parallel outputs before their reduce (selective)."""
+        if tp == 1:
+            return layer.at(tokens)
+        other = (layer.per_token - layer.hidden_per_token) / tp
+        whole = {"none": 2 * shape.hidden * c, "full": 0.0, "selective": layer.hidden_per_token - shape.hidden * c}
+        gathered = min(layer.hidden_per_token, whole[mode])
+        hidden = (layer.hidden_per_token - gathered) / tp + gathered if sp else layer.hidden_per_token
+        return layer.fixed + (other + hidden) * tokens
+
+    # outside the layers: the token ids, the final norm (its input, normalized value and output) and the head's
+    # per-token statistics, targets and outputs
+    outside = tokens * (3 * shape.hidden * c + 8 + 4 + 16 + 8 + 8)
+    activations = sum(per_rank(layer, mode) for layer in saved_layers) + outside
+
+    chunk, vocab = min(layout.logprob_chunk_tokens, tokens), math.ceil(shape.vocab / tp)
+    head_buffers = 2 * chunk * vocab * 4
+    accumulator = vocab * shape.hidden * 4 if c != 4 else 0  # in float32 it is the gradient itself
+    head = head_buffers + accumulator + tokens * shape.hidden * c
+    recompute = max(per_rank(n, "none") - per_rank(s, mode) for n, s in zip(none_layers, saved_layers, strict=True))
+    layer_backward = recompute + GRADIENT_TEMPORARIES * tokens * math.ceil(shape.intermediate / tp) * c
+    optimizer_step = E * 4 if gpu else 2 * shape.largest_param * 4  # foreach AdamW's temporaries / per tensor
+    working = {"logprob head": head, "layer backward": layer_backward, "optimizer step": optimizer_step}
+    peak_name = max(("logprob head", "layer backward"), key=working.get)
+    peak_working = working[peak_name]
+    if optimizer_step > activations + peak_working:  # after backward: the activations are freed
+        peak_name, peak_working, activations = "optimizer step", optimizer_step, 0.0
+
+    terms = [
+        Term("weights", E * 4, f"{E / 1e9:.2f} B parameters on this rank, float32"),
+        Term("gradients", E * 4, "float32, sharded like the weights"),
+        Term("optimizer", E * 8, "AdamW's two moments, float32"),
+        Term("reference", E * 4, "the frozen base, float32, sharded like the policy"),
+        Term(
+            "activations",
+            activations,
+            f"{mode} checkpointing, {tokens:,} tokens per rank, {str(layout.compute_dtype).removeprefix('torch.')}"
+            if activations
+            else "freed before the optimizer step",
+        ),
+        Term("working set", peak_working, f"{peak_name} at its peak (the largest of: {_listed(working)})"),
+    ]
+    if gpu and layout.world > 1:
+        gathered = (2 * shape.largest_block / tp + shape.vocab * shape.hidden / tp) * c
+        reduce = max(shape.largest_block, shape.vocab * shape.hidden) / tp * (c + 4)
+        terms.append(Term("fsdp buffers", gathered + reduce, "two blocks and the head gathered, one reduce", True))
+    if gpu:
+        comms = CUDA_CONTEXT_GIB + (NCCL_GIB if layout.world > 1 else 0.0)
+        terms.append(Term("cuda context and nccl", comms * GIB, "fixed estimate", True))
+        subtotal = sum(term.bytes for term in terms)
+        terms.append(Term("allocator headroom", ALLOCATOR_HEADROOM * subtotal, "10% for fragmentation", True))
+    return Plan("trainer", tuple(terms), working)
+
+
+def _listed(amounts: dict[str, float]) -> str:
+    return ", ".join(f"{name} {amount / GIB:.2f} GiB" for name, amount in amounts.items())
+
+
+def sglang_plan(
+    shape: ModelShape, tp_size: int, mem_fraction: float, context_tokens: int, gpu_gib: float, episodes: int
+) -> Plan:
+    """Per-GPU memory of one SGLang server of `tp_size` GPUs: bf16 weights, then KV cache (and recurrent state)
+    for as many full-context episodes as `mem_fraction` of the GPU leaves room for. The note says how many fit
+    against `episodes` (the requests in flight per server); SGLang queues the rest (throughput, not memory)."""
+    text = shape.hf.get("text_config") or shape.hf
+    weights = (shape.params + _vision_params(shape.hf)) * 2 / tp_size
+    types = text.get("layer_types") or ["full_attention"] * text["num_hidden_layers"]
+    attention_layers = sum(kind == "full_attention" for kind in types)
+    kv_heads = max(1, text["num_key_value_heads"] // tp_size)
+    head_dim = text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"]
+    kv_per_token = attention_layers * 2 * kv_heads * head_dim * 2
+    state = _recurrent_state_bytes(text, len(types) - attention_layers) / tp_size
+    episode = context_tokens * kv_per_token + state
+    pool = mem_fraction * gpu_gib * GIB - weights
+    fits = max(0, int(pool // episode))
+    terms = (
+        Term("weights", weights, f"bf16, tp {tp_size}"),
+        Term("kv cache", max(pool, 0.0), f"{kv_per_token / 1024:.0f} KiB per token, to mem_fraction {mem_fraction}"),
+        Term("outside mem_fraction", (1 - mem_fraction) * gpu_gib * GIB, "activations, CUDA graphs", True),
+    )
+    note = (
+        f"{fits} full-context episodes ({context_tokens:,} tokens, {episode / GIB:.2f} GiB each) in flight per "
+        f"server; {episodes} requested" + (": SGLang queues the rest" if fits < episodes else "")
+    )
+    return Plan("sglang server", terms, note=note, episodes=fits)
+
+
+def _recurrent_state_bytes(text: dict, linear_layers: int) -> float:
+    """Gated DeltaNet state per sequence: float32 [value heads, key dim, value dim] and the causal conv's window."""
+    if not linear_layers:
+        return 0.0
+    heads, k, v = text["linear_num_value_heads"], text["linear_key_head_dim"], text["linear_value_head_dim"]
+    conv = (text.get("linear_conv_kernel_dim", 4) - 1) * (2 * text["linear_num_key_heads"] * k + heads * v) * 2
+    return linear_layers * (heads * k * v * 4 + conv)
+
+
+def _vision_params(hf: dict) -> float:
+    """A multimodal checkpoint's vision tower, which SGLang loads beside the language model (blocks only)."""
+    vision = hf.get("vision_config")
+    if not vision:
+        return 0.0
+    width, inner = vision["hidden_size"], vision["intermediate_size"]
+    return vision["depth"] * (4 * width * width + 2 * width * inner)
+
+
+def check_memory(cfg, model_path: str | None) -> None:
+    """Refuse, before anything starts, a GPU run whose plan exceeds its GPU's memory (trainer or launched SGLang
+    servers), in one line naming the term that overflows and the fix. Runs on GPUs (`trainer.accelerator=gpu`) or
+    wherever `trainer.gpu_memory_gib` names the GPU; `trainer.memory_check=false` skips it."""
+    t = cfg.trainer
+    if not t.memory_check or (t.accelerator == "cpu" and t.gpu_memory_gib is None):
+        return
+    gpu_gib = t.gpu_memory_gib
+    if gpu_gib is None:
+        gpu_gib = torch.cuda.get_device_properties(0).total_memory / GIB
+    shape = model_shape(json.dumps(read_model_config(model_path, cfg.model.get("name")), sort_keys=True))
+    plan = trainer_plan(shape, TrainerLayout.from_config(cfg, device="cuda"))
+    if plan.total > gpu_gib * GIB:
+        largest = plan.largest()
+        raise ConfigError(
+            f"memory plan: the trainer needs {plan.total / GIB:.1f} GiB per GPU against {gpu_gib:.1f} GiB "
+            f"({largest.name} {largest.bytes / GIB:.1f} GiB the largest term; "
+            "`python -m canopy.tools.memory_plan` with the same overrides prints every term): lower "
+            "trainer.micro_batch_tokens, set parallelism.activation_checkpointing=full, or shard over more GPUs "
+            "(parallelism.dp_shard / tp / cp); trainer.memory_check=false overrides"
+        )
+    s = cfg.engine.get("sglang")
+    if cfg.engine.name == "sglang" and s is not None and not s.urls:  # servers this run launches, on its GPUs
+        server = sglang_plan(shape, s.tp_size, s.mem_fraction, cfg.budget.max_context_tokens, gpu_gib, 1)
+        if not server.episodes:
+            raise ConfigError(
+                f"memory plan: an SGLang server (tp {s.tp_size}) holds {server.term('weights').bytes / GIB:.1f} GiB "
+                f"of weights and has no room left under engine.sglang.mem_fraction={s.mem_fraction} of "
+                f"{gpu_gib:.1f} GiB for one {cfg.budget.max_context_tokens:,}-token episode: raise "
+                "engine.sglang.tp_size or mem_fraction; trainer.memory_check=false overrides"
+            )
+
+
+@cache
+def model_shape(hf_json: str) -> ModelShape:
+    """`ModelShape` of a config.json (given as its JSON text, so that plans of one model share one)."""
+    return ModelShape.from_hf(json.loads(hf_json))
+
+
+@cache
+def _traced_activations(shape: ModelShape, kind: int, mode: str, dtype: torch.dtype, device: str):
+    layer = shape.kind_layers[kind].to(dtype)
+    parameters = {p.untyped_storage()._cdata for p in shape.model.parameters()}
+    parameters |= {b.untyped_storage()._cdata for b in shape.model.buffers()}
+    measured = []
+    for tokens in PROBE_TOKENS:
+        x = torch.empty(1, tokens, shape.hidden, device="meta", dtype=dtype, requires_grad=True)
+        positions = torch.arange(tokens, device="meta").unsqueeze(0)
+        saved = _saved_by(layer, x, positions, mode, device, parameters)
+        total = sum(size for size, _, _ in saved.values())
+        hidden = sum(size for size, last, _ in saved.values() if last == shape.hidden)
+        measured.append((total, hidden))
+    (t1, h1), (t2, h2) = measured
+    span = PROBE_TOKENS[1] - PROBE_TOKENS[0]
+    per_token, hidden_per_token = (t2 - t1) / span, (h2 - h1) / span
+    return LayerActivations(per_token, hidden_per_token, fixed=max(0.0, t1 - per_token * PROBE_TOKENS[0]))
+
+
+def _saved_by(layer, x, positions, mode: str, device: str, exclude: set) -> dict:
+    """{storage: (bytes, last dim, tensor)} of what `layer(x)` keeps for backward under checkpointing `mode`: every
+    saved tensor (none), the layer's input (full), or its input plus the outputs TorchTitan's selective policy
+    keeps."""
+    saved: dict = {}
+
+    def keep(tensor: torch.Tensor) -> None:  # holds the tensor, so that no later one takes its storage's address
+        storage = tensor.untyped_storage()
+        if storage._cdata not in exclude:
+            saved[storage._cdata] = (storage.nbytes(), tensor.shape[-1] if tensor.dim() else 1, tensor)
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        keep(tensor)
+        return tensor
+
+    with ExitStack() as stack:
+        stack.enter_context(_kernel_stand_ins(device, keep if mode == "selective" else None))
+        if mode == "none":
+            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor))
+        elif mode == "selective":
+            stack.enter_context(_SelectiveSaves(keep))
+        else:
+            stack.enter_context(torch.no_grad())
+        layer(x, None, positions)
+    if mode != "none":
+        keep(x)  # the checkpoint keeps the layer's input
+    return saved
+
+
+class _SelectiveSaves(TorchDispatchMode):
+    """The outputs TorchTitan's per-op selective checkpointing keeps (`SelectiveAC`): those of its save-list ops,
+    except every second matmul of a layer."""
+
+    def __init__(self, keep):
+        super().__init__()
+        from torchtitan.distributed.activation_checkpoint import _get_default_save_ops
+
+        self.keep, self.save_ops, self.matmuls = keep, _get_default_save_ops(), 0
+        self.matmul_ops = (torch.ops.aten.mm.default, torch.ops.aten.linear.default)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in self.matmul_ops:
+            self.matmuls += 1
+        if func in self.save_ops and not (func in self.matmul_ops and self.matmuls % 2 == 0):
+            for tensor in out if isinstance(out, (tuple, list)) else [out]:
+                if isinstance(tensor, torch.Tensor):
+                    self.keep(tensor)
+        return out
+
+
+@contextmanager
+def _kernel_stand_ins(device: str, keep_attention_outputs):
+    """Kernels that the meta device cannot run as the target does, replaced by functions that keep what the
+    target's kernel keeps: attention as flash attention does (q, k, v, output, float32 log-sum-exp; not the
+    [tokens, tokens] scores of SDPA's math path); on GPUs, Gated DeltaNet as fla's chunked kernel does. Under
+    selective checkpointing on GPUs the attention output is kept (CUDA's SDPA kernels are on the save list)."""
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+
+    def attention(self, q, k, v, **kwargs):
+        log_sum_exp = q.new_empty(q.shape[:-1], dtype=torch.float32)
+        out = _KeepsLike.apply(q, k, v, log_sum_exp)
+        if keep_attention_outputs is not None and device == "cuda":
+            keep_attention_outputs(out)
+            keep_attention_outputs(log_sum_exp)
+        return out
+
+    with ExitStack() as stack:
+        stack.enter_context(mock.patch.object(ScaledDotProductAttention, "forward", attention))
+        if device == "cuda":
+            stack.enter_context(mock.patch("canopy.modules.qwen3_5.chunk_gated_delta_rule", _fla_gated_delta))
+        yield
+
+
+class _KeepsLike(torch.autograd.Function):
+    """Output shaped like the first input; keeps every input and the output for backward."""
+
+    @staticmethod
+    def forward(ctx, first, *rest):
+        out = torch.empty_like(first)
+        ctx.save_for_backward(first, *rest, out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):  # never run: the plan traces forward only
+        raise NotImplementedError
+
+
+def _fla_gated_delta(q, k, v, g, beta, **kwargs):
+    """What fla's chunked Gated DeltaNet keeps: q and k repeated to v's heads and normalized, their norms, v, the
+    cumulative gate (float32), beta and the [tokens, heads, 64] intra-chunk matrix."""
+    repeat = v.shape[2] // q.shape[2]
+    q, k = q.repeat_interleave(repeat, 2), k.repeat_interleave(repeat, 2)
+    norms = g.new_empty(g.shape, dtype=torch.float32)
+    return _KeepsLike.apply(
+        v, q, k, norms, norms.clone(), g.float(), beta, v.new_empty(*v.shape[:3], 64, dtype=torch.float32)
+    ), None

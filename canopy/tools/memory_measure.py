@@ -1,0 +1,139 @@
+"""Measured memory of a piece of work, to hold the memory plan (`canopy.memory`) and the benchmarks to reality.
+
+On CUDA: the caching allocator's own counters (`max_memory_allocated`). On CPU, where torch keeps no such counter,
+the profiler's allocation events: every allocation and free torch makes, in order, summed into the live total.
+Both report bytes above what was allocated when the work started, so tensors that exist before (parameters) are
+not counted and must be added by the caller.
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Measured:
+    peak: int  # the most bytes allocated at any moment of the work, above its start
+    end: int  # bytes still allocated when it returned (what it created and kept), above its start
+
+
+def measure(work: Callable[[], object], device: torch.device | str = "cpu") -> tuple[object, Measured]:
+    """Run `work()` and measure its allocations on `device`; returns its result (kept alive, so that what it
+    returns counts in `end`) and the measurement."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        start = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        result = work()
+        torch.cuda.synchronize(device)
+        peak = torch.cuda.max_memory_allocated(device) - start
+        return result, Measured(peak=peak, end=torch.cuda.memory_allocated(device) - start)
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        result = work()
+    sizes = []
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        node = stack.pop()
+        if node.tag == _EventType.Allocation and node.extra_fields.device.type == "cpu":
+            sizes.append((node.start_time_ns, node.extra_fields.alloc_size))  # negative for a free
+        stack.extend(node.children)
+    live = peak = 0
+    for _, size in sorted(sizes, key=lambda event: event[0]):
+        live += size
+        peak = max(peak, live)
+    return result, Measured(peak=peak, end=live)
+
+
+def measure_training_step(hf: dict, layout, rows: int, seq_len: int, seed: int = 0) -> dict[str, float]:
+    """Bytes of one single-process training step on CPU, term by term as the memory plan names them, from a
+    randomly initialized model of config.json `hf` (policy and frozen reference, `layout`'s checkpointing, micro-
+    batch and head chunk) on `rows` random sequences of `seq_len` tokens: weights, reference, gradients and
+    optimizer from the tensors themselves; activations (what one micro-batch's forward keeps) and the logprob head's
+    working set measured alone; `peak` for a whole steady-state step (the second: AdamW's moments exist)."""
+    from canopy.datamodules.rollout import RolloutBatch
+    from canopy.modules.canopy_module import CanopyModule
+    from canopy.modules.logprobs import model_token_logprobs, sequence_inputs
+    from canopy.modules.parallel import apply_activation_checkpointing
+
+    torch.manual_seed(seed)
+    module = CanopyModule(
+        "unused",
+        kl_coef=0.1,
+        micro_batch_tokens=layout.micro_batch_tokens,
+        logprob_chunk_tokens=layout.logprob_chunk_tokens,
+    )
+    module.policy = apply_activation_checkpointing(_random_model(hf), layout.activation_checkpointing)
+    module.reference = _random_model(hf).requires_grad_(False).eval()
+    module.manual_backward = lambda loss: loss.backward()
+    optimizer = torch.optim.AdamW(module.policy.parameters(), lr=1e-5)
+    g = torch.Generator().manual_seed(seed)
+    vocab = module.policy.lm_head.weight.shape[0]
+    action = torch.rand(rows, seq_len, generator=g) > 0.3
+    batch = RolloutBatch(
+        torch.randint(0, vocab, (rows, seq_len), generator=g),
+        action,
+        -torch.rand(rows, seq_len, generator=g) * action,
+        torch.where(action, 0, -1),
+        torch.randn(rows, generator=g),
+        torch.full((rows,), seq_len),
+        {},
+    )
+
+    def step() -> None:
+        micro_batches = module._micro_batches(batch)
+        ref_logprobs = module._logprobs_no_grad(module.reference, batch, micro_batches)
+        module._minibatch_backward(batch, torch.arange(rows), ref_logprobs, None)
+        optimizer.step()
+
+    step()  # the first step creates AdamW's moments
+    measured = {
+        "weights": sum(p.nbytes for p in module.policy.parameters()),
+        "reference": sum(p.nbytes for p in module.reference.parameters()),
+        "gradients": sum(p.grad.nbytes for p in module.policy.parameters()),
+        "optimizer": sum(t.nbytes for state in optimizer.state.values() for t in state.values() if t.dim()),
+    }
+    optimizer.zero_grad(set_to_none=True)
+    _, whole_step = measure(step)
+    measured["peak"] = measured["weights"] + measured["reference"] + measured["optimizer"] + whole_step.peak
+
+    optimizer.zero_grad(set_to_none=True)
+    micro = batch.select(module._micro_batches(batch)[0][0])
+    inputs = sequence_inputs(micro)
+    t = layout.logprob_chunk_tokens
+    _, forward = measure(lambda: model_token_logprobs(module.policy, inputs, 1.0, t))
+    measured["activations"] = forward.end
+
+    hidden = torch.randn(inputs["tokens"].numel(), module.policy.lm_head.weight.shape[1], requires_grad=True)
+    targets = inputs["targets"].reshape(-1)
+
+    def head_step() -> None:
+        chosen, entropy = module.policy.lm_head(hidden, targets, 1.0, t)
+        (chosen - 0.1 * entropy).sum().backward()
+
+    _, head = measure(head_step)
+    measured["logprob head"] = head.peak - module.policy.lm_head.weight.grad.nbytes  # its gradient: "gradients"
+    return measured
+
+
+def _random_model(hf: dict) -> torch.nn.Module:
+    """The TorchTitan model of config.json `hf`, randomly initialized on CPU in float32 (no checkpoint)."""
+    from canopy.modules.policy import model_family, qwen3_config_from_hf
+
+    if model_family(hf) == "qwen3_5":
+        from canopy.modules.qwen3_5 import build_qwen3_5
+
+        _, model, _ = build_qwen3_5("unused", hf)
+    else:
+        with torch.device("meta"):
+            model = qwen3_config_from_hf(hf).build()
+        model.to_empty(device="cpu")
+        model.init_states(buffer_device=torch.device("cpu"))
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.normal_(0.0, 0.02)
+    return model

@@ -1,0 +1,155 @@
+"""The memory plan (`canopy.memory`) against what a training step really allocates on CPU, the paper experiments
+against the GPUs they name, and the refusal at start of a config that cannot fit."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from bench.memory_plan import CASES, compare, qwen3
+from canopy.memory import GIB, GPUS, TrainerLayout, model_shape, read_model_config, sglang_plan, trainer_plan
+from canopy.tools.memory_measure import measure
+from canopy.tools.memory_plan import compose_config, plans, render
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("case", CASES, ids=list(CASES))
+def test_plan_predicts_a_cpu_training_step_within_15_percent(case):
+    """Every term a CPU can measure, against a real single-process step (policy + reference + head + AdamW) with
+    the allocations counted by the profiler: the static terms exactly, the activations one micro-batch keeps, the
+    logprob head's working set, and the peak of a whole steady-state step. The cases vary tokens, vocabulary,
+    width, depth, checkpointing, micro-batch and the model family (`bench/memory_plan.py`)."""
+    predicted, measured = compare(case)
+    for name in ("weights", "reference", "gradients", "optimizer"):
+        assert predicted[name] == pytest.approx(measured[name], rel=1e-3), name
+    for name in ("activations", "logprob head", "peak"):
+        assert predicted[name] == pytest.approx(measured[name], rel=0.15), (name, predicted[name], measured[name])
+
+
+def test_measure_counts_allocations_and_frees():
+    def work():
+        first = torch.empty(1000, 1000)
+        kept = torch.empty(500, 1000)
+        del first
+        return kept
+
+    _, measured = measure(work)
+    assert measured.peak == 6_000_000 and measured.end == 2_000_000
+
+
+def test_tensor_and_sequence_parallel_split_what_they_shard():
+    """Full checkpointing keeps each layer's input, which sequence parallelism splits over TP (and CP over its
+    ranks); without sequence parallelism the input stays whole. The head's buffers shrink with the vocabulary
+    shard."""
+    shape = model_shape(json.dumps(qwen3(128, 384, 4, 2, 32, 4, 4000), sort_keys=True))
+    base = dict(activation_checkpointing="full", micro_batch_tokens=4096, max_context_tokens=4096)
+    one = trainer_plan(shape, TrainerLayout(**base, dp_shard=2))
+    tp = trainer_plan(shape, TrainerLayout(**base, dp_shard=2, tp=2))
+    no_sp = trainer_plan(shape, TrainerLayout(**base, dp_shard=2, tp=2, sequence_parallel=False))
+    cp = trainer_plan(shape, TrainerLayout(**base, dp_shard=2, cp=2))
+    layers = 4 * 4096 * 128 * 4  # float32 inputs of four layers (mixed_precision float32)
+    assert one.term("activations").bytes - tp.term("activations").bytes == pytest.approx(layers / 2, rel=1e-6)
+    assert no_sp.term("activations").bytes == pytest.approx(one.term("activations").bytes, rel=1e-6)
+    assert cp.term("activations").bytes == pytest.approx(one.term("activations").bytes / 2, rel=1e-6)
+    assert tp.working["logprob head"] < one.working["logprob head"]
+    # TP splits the matrices, FSDP everything: four ranks hold a quarter of the weights either way
+    assert tp.term("weights").bytes == pytest.approx(one.term("weights").bytes / 2, rel=0.01)
+
+
+def test_sglang_server_kv_cache_by_hand():
+    """Qwen3-14B in bf16 on one H200: 40 layers x 8 KV heads x 128 x (K, V) x 2 B = 160 KiB per token."""
+    shape = model_shape(json.dumps(read_model_config(None, "Qwen3-14B"), sort_keys=True))
+    plan = sglang_plan(shape, tp_size=1, mem_fraction=0.8, context_tokens=40960, gpu_gib=140.4, episodes=8)
+    weights = plan.term("weights").bytes
+    assert weights == pytest.approx(shape.params * 2)
+    pool = 0.8 * 140.4 * GIB - weights
+    assert plan.episodes == int(pool // (40960 * 40 * 8 * 128 * 2 * 2))
+    assert "160 KiB per token" in plan.term("kv cache").detail
+    small = sglang_plan(shape, tp_size=1, mem_fraction=0.8, context_tokens=40960, gpu_gib=40.0, episodes=8)
+    assert small.episodes == 0  # 29.5 GB of weights leave no room for a 6.3 GiB episode under 32 GiB
+
+
+EXPERIMENTS = {
+    "appworld one node": (["experiment=appworld_canopy"], "H200-141GB"),
+    "appworld 8x8": (
+        ["experiment=appworld_canopy", "trainer.num_nodes=4", "trainer.devices=8", "parallelism.dp_replicate=4"]
+        + ["parallelism.dp_shard=4", "parallelism.tp=2", "engine.sglang.num_servers=32"],
+        "H100-80GB",
+    ),
+    "swebench one node": (["experiment=swebench_canopy"], "H200-141GB"),
+    "swebench 8x8": (
+        ["experiment=swebench_canopy", "trainer.num_nodes=4", "trainer.devices=8", "parallelism.dp_replicate=4"]
+        + ["parallelism.dp_shard=2", "parallelism.tp=4", "engine.sglang.num_servers=32"],
+        "H100-80GB",
+    ),
+}
+
+
+@pytest.mark.parametrize("experiment", EXPERIMENTS, ids=list(EXPERIMENTS))
+def test_paper_experiments_fit_the_gpus_they_name(experiment):
+    """At the recipes' full contexts (40,960 and 131,072 tokens), with the trainer's and the servers' GPUs."""
+    overrides, gpu = EXPERIMENTS[experiment]
+    trainer, servers, _ = plans(compose_config(overrides))
+    assert trainer.total <= GPUS[gpu] * GIB, f"{experiment}: {trainer.total / GIB:.1f} GiB on {gpu}"
+    assert servers[gpu].episodes >= 1
+    assert "activations" in [term.name for term in trainer.terms]
+
+
+def test_the_configs_before_this_plan_did_not_fit():
+    """Table A1's 4 x 40,960-token micro-batch with selective checkpointing over FSDP 4: hundreds of GiB per GPU."""
+    old = ["experiment=appworld_canopy", "trainer.micro_batch_tokens=163840", "parallelism.dp_shard=4"]
+    old += ["parallelism.tp=1", "parallelism.activation_checkpointing=selective"]
+    trainer, _, _ = plans(compose_config(old))
+    assert trainer.total > 4 * GPUS["H200-141GB"] * GIB
+    assert trainer.largest().name == "activations"
+
+
+def test_memory_plan_cli_prints_terms_and_fit():
+    run = subprocess.run(
+        [sys.executable, "-m", "canopy.tools.memory_plan", "experiment=swebench_canopy"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    for word in ("weights", "gradients", "optimizer", "reference", "activations", "working set", "fsdp buffers"):
+        assert word in run.stdout
+    assert "H200-141GB: fits" in run.stdout and "H100-80GB: over by" in run.stdout
+    assert "SGLang server on H200-141GB" in run.stdout
+
+
+def test_readme_tables_are_the_plans_of_today():
+    """The README's per-GPU tables are the tool's output for each experiment and layout (regenerate with
+    `python -m canopy.tools.memory_plan --markdown <overrides>`)."""
+    readme = (ROOT / "README.md").read_text()
+    for overrides, _ in EXPERIMENTS.values():
+        table = render(compose_config(overrides), markdown=True)
+        assert table in readme, f"README's memory table for {' '.join(overrides)} is stale"
+
+
+@pytest.mark.slow
+def test_a_gpu_run_that_cannot_fit_stops_at_start_in_one_line(tmp_path, tiny_path):
+    """`trainer.gpu_memory_gib` names a GPU far too small for even the tiny model: train.py stops before building
+    the environment or the engine, with one line naming the term and the override."""
+    command = [sys.executable, "train.py", f"model.path={tiny_path}", "trainer.gpu_memory_gib=0.001"]
+    command += [f"hydra.run.dir={tmp_path}/run"]
+    run = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert run.returncode != 0
+    last = run.stderr.strip().splitlines()[-1]
+    assert last.startswith("config error: memory plan: the trainer needs") and "trainer.memory_check=false" in last
+    assert not (tmp_path / "run" / "env_logs").exists()
+    run = subprocess.run(
+        command
+        + ["trainer.memory_check=false", "trainer.max_steps=1", "eval.every_n_steps=0"]
+        + ["report.eval_samples_per_task=0", "callbacks=none", "trajectories.enabled=false"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
