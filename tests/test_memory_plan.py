@@ -142,14 +142,8 @@ def test_a_gpu_run_that_cannot_fit_stops_at_start_in_one_line(tmp_path, tiny_pat
     assert run.returncode != 0
     last = run.stderr.strip().splitlines()[-1]
     assert last.startswith("config error: memory plan: the trainer needs") and "trainer.memory_check=false" in last
-    assert not (tmp_path / "run" / "env_logs").exists()
-    run = subprocess.run(
-        command
-        + ["trainer.memory_check=false", "trainer.max_steps=1", "eval.every_n_steps=0"]
-        + ["report.eval_samples_per_task=0", "callbacks=none", "trajectories.enabled=false"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    assert "rollout step" not in run.stderr and "algorithm:" not in run.stdout  # nothing was built or run
+    overrides = ["trainer.memory_check=false", "trainer.max_steps=1", "eval.every_n_steps=0", "callbacks=none"]
+    overrides += ["report.eval_samples_per_task=0", "trajectories.enabled=false"]
+    run = subprocess.run(command + overrides, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
