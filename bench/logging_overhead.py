@@ -55,7 +55,7 @@ sys.path.insert(0, str(ROOT))
 from canopy import trajectories  # noqa: E402
 from canopy.build import build_datamodule, ensure_model  # noqa: E402
 from canopy.callbacks import RolloutViewer  # noqa: E402
-from canopy.modules.logprobs import token_logprobs  # noqa: E402
+from canopy.modules.logprobs import model_token_logprobs, sequence_inputs  # noqa: E402
 from canopy.modules.policy import load_policy  # noqa: E402
 from canopy.tools.viewer import build_viewer  # noqa: E402
 from canopy.trajectories import INDEX, Sampling, TrajectoryLog, read_index  # noqa: E402
@@ -160,7 +160,7 @@ def in_process(args) -> None:
             before = written[design].value
         started = time.perf_counter()
         batch = datamodule.next_batch()
-        logprobs, _ = token_logprobs(policy(batch.input_ids), batch.input_ids, 1.0)
+        logprobs, _ = model_token_logprobs(policy, sequence_inputs(batch), 1.0, chunk_tokens=2048)
         logprobs.mean().backward()
         policy.zero_grad(set_to_none=True)
         seconds = time.perf_counter() - started

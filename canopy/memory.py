@@ -164,14 +164,13 @@ class ModelShape:
         model.init_states(buffer_device=torch.device("meta"))
         named = list(model.named_parameters())
         layers = list(model.layers.values())
-        kinds, kind_layers = [], []
-        for layer in layers:
+        kinds, kind_layers, signatures = [], [], []
+        for layer in layers:  # layers with the same parameters trace alike (Qwen3.5: attention, Gated DeltaNet)
             signature = [(n, tuple(p.shape)) for n, p in layer.named_parameters()]
-            known = [[(n, tuple(p.shape)) for n, p in k.named_parameters()] for k in kind_layers]
-            if signature not in known:
+            if signature not in signatures:
+                signatures.append(signature)
                 kind_layers.append(layer)
-                known.append(signature)
-            kinds.append(known.index(signature))
+            kinds.append(signatures.index(signature))
         return cls(
             hf=hf,
             model=model,

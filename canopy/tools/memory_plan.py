@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 from hydra import compose, initialize_config_dir
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from canopy.config import ConfigError
 from canopy.memory import GIB, GPUS, Plan, TrainerLayout, model_shape, read_model_config, sglang_plan, trainer_plan
@@ -66,16 +66,26 @@ def fit_line(total: float) -> str:
     )
 
 
+def by_checkpointing(cfg: DictConfig) -> str:
+    """The trainer's total per GPU under each activation-checkpointing mode, the rest of the layout unchanged."""
+    totals = []
+    for mode in ("none", "selective", "full"):
+        variant = OmegaConf.merge(cfg, {"parallelism": {"activation_checkpointing": mode}})
+        totals.append(f"{mode} {plans(variant)[0].total / GIB:.1f}")
+    return "trainer total per GPU by activation checkpointing (GiB): " + ", ".join(totals)
+
+
 def render(cfg: DictConfig, markdown: bool = False) -> str:
     trainer, servers, what = plans(cfg)
-    lines = [f"model: {what}", f"layout: {layout_line(cfg)}", ""]
+    bullet = "- " if markdown else ""
+    lines = [f"{bullet}model: {what}", f"{bullet}layout: {layout_line(cfg)}", bullet + by_checkpointing(cfg), ""]
     if markdown:
         lines += ["| per trainer GPU | GiB | what |", "|---|---|---|"]
         lines += [
             f"| {t.name} | {t.bytes / GIB:.1f} | {t.detail}{' (GPU only)' if t.gpu_only else ''} |"
             for t in trainer.terms
         ]
-        lines += [f"| **total** | **{trainer.total / GIB:.1f}** | {fit_line(trainer.total)} |"]
+        lines += [f"| **total** | **{trainer.total / GIB:.1f}** | {fit_line(trainer.total)} |", ""]
     else:
         lines += ["per trainer GPU                  GiB"]
         lines += [f"  {t.name:<26}{t.bytes / GIB:>7.1f}  {t.detail}" for t in trainer.terms]
