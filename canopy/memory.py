@@ -339,11 +339,10 @@ def check_memory(cfg, model_path: str | None) -> None:
     if plan.total > gpu_gib * GIB:
         largest = plan.largest()
         raise ConfigError(
-            f"memory plan: the trainer needs {plan.total / GIB:.1f} GiB per GPU against {gpu_gib:.1f} GiB "
-            f"({largest.name} {largest.bytes / GIB:.1f} GiB the largest term; "
-            "`python -m canopy.tools.memory_plan` with the same overrides prints every term): lower "
-            "trainer.micro_batch_tokens, set parallelism.activation_checkpointing=full, or shard over more GPUs "
-            "(parallelism.dp_shard / tp / cp); trainer.memory_check=false overrides"
+            f"memory plan: the trainer needs {plan.total / GIB:.1f} GiB per GPU against {gpu_gib:.3g} GiB "
+            f"({largest.name} {largest.bytes / GIB:.1f} GiB the largest term; `python -m canopy.tools.memory_plan` "
+            f"with the same overrides prints every term): {FIXES.get(largest.name, FIXES[None])}; "
+            "trainer.memory_check=false overrides"
         )
     s = cfg.engine.get("sglang")
     if cfg.engine.name == "sglang" and s is not None and not s.urls:  # servers this run launches, on its GPUs
@@ -355,6 +354,17 @@ def check_memory(cfg, model_path: str | None) -> None:
                 f"{gpu_gib:.1f} GiB for one {cfg.budget.max_context_tokens:,}-token episode: raise "
                 "engine.sglang.tp_size or mem_fraction; trainer.memory_check=false overrides"
             )
+
+
+FIXES = {  # what shrinks each term of the trainer's plan
+    "activations": "lower trainer.micro_batch_tokens (a longer sequence runs alone), set "
+    "parallelism.activation_checkpointing=full, or split sequences over parallelism.tp (or cp)",
+    "working set": "lower trainer.logprob_chunk_tokens or trainer.micro_batch_tokens, or split over parallelism.tp",
+    **dict.fromkeys(
+        ("weights", "gradients", "optimizer", "reference"), "shard over more GPUs (parallelism.dp_shard, tp)"
+    ),
+    None: "use GPUs with more memory",
+}
 
 
 @cache

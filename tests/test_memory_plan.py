@@ -10,7 +10,17 @@ import pytest
 import torch
 
 from bench.memory_plan import CASES, compare, qwen3
-from canopy.memory import GIB, GPUS, TrainerLayout, model_shape, read_model_config, sglang_plan, trainer_plan
+from canopy.config import ConfigError
+from canopy.memory import (
+    GIB,
+    GPUS,
+    TrainerLayout,
+    check_memory,
+    model_shape,
+    read_model_config,
+    sglang_plan,
+    trainer_plan,
+)
 from canopy.tools.memory_measure import measure
 from canopy.tools.memory_plan import compose_config, plans, render
 
@@ -137,13 +147,32 @@ def test_a_gpu_run_that_cannot_fit_stops_at_start_in_one_line(tmp_path, tiny_pat
     """`trainer.gpu_memory_gib` names a GPU far too small for even the tiny model: train.py stops before building
     the environment or the engine, with one line naming the term and the override."""
     command = [sys.executable, "train.py", f"model.path={tiny_path}", "trainer.gpu_memory_gib=0.001"]
-    command += [f"hydra.run.dir={tmp_path}/run"]
-    run = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    run = subprocess.run(command + [f"hydra.run.dir={tmp_path}"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert run.returncode != 0
     last = run.stderr.strip().splitlines()[-1]
     assert last.startswith("config error: memory plan: the trainer needs") and "trainer.memory_check=false" in last
     assert "rollout step" not in run.stderr and "algorithm:" not in run.stdout  # nothing was built or run
-    overrides = ["trainer.memory_check=false", "trainer.max_steps=1", "eval.every_n_steps=0", "callbacks=none"]
-    overrides += ["report.eval_samples_per_task=0", "trajectories.enabled=false"]
-    run = subprocess.run(command + overrides, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-2000:]
+
+
+def test_memory_check_names_the_overflowing_term_and_its_fix(tiny_path):
+    """The largest term and what shrinks it, or `trainer.memory_check=false`; a CPU run naming no GPU is not
+    checked."""
+    old = ["experiment=appworld_canopy", "trainer.micro_batch_tokens=163840", "parallelism.dp_shard=4"]
+    old += ["parallelism.tp=1", "parallelism.activation_checkpointing=selective", "trainer.gpu_memory_gib=140.4"]
+    with pytest.raises(ConfigError, match=r"\(activations [0-9.]+ GiB the largest term.*lower trainer.micro_batch"):
+        check_memory(compose_config(old), None)
+    tiny = [f"model.path={tiny_path}"]
+    with pytest.raises(ConfigError, match=r"cuda context and nccl .* GPUs with more memory; trainer.memory_check"):
+        check_memory(compose_config(tiny + ["trainer.gpu_memory_gib=0.001"]), tiny_path)
+    check_memory(compose_config(tiny + ["trainer.gpu_memory_gib=0.001", "trainer.memory_check=false"]), tiny_path)
+    check_memory(compose_config(tiny + ["trainer.gpu_memory_gib=80"]), tiny_path)  # fits
+    check_memory(compose_config(tiny), tiny_path)  # a CPU run names no GPU: nothing to check
+
+
+def test_launched_sglang_servers_that_cannot_hold_one_episode_are_refused():
+    """Qwen3-14B's bf16 weights (27.5 GiB) leave no room for a 40,960-token episode (6.25 GiB) under 0.2 of an
+    H200's 140.4 GiB, though the trainer fits it."""
+    overrides = ["experiment=appworld_canopy", "trainer.gpu_memory_gib=140.4", "engine.sglang.mem_fraction=0.2"]
+    with pytest.raises(ConfigError, match=r"SGLang server \(tp 1\) holds 27.5 GiB .* raise engine.sglang.tp_size"):
+        check_memory(compose_config(overrides), None)
+    check_memory(compose_config(overrides[:2]), None)  # at the default 0.8, both fit
