@@ -49,7 +49,6 @@ class Term:
 
 @dataclass(frozen=True)
 class Plan:
-    role: str  # "trainer" or "sglang server"
     terms: tuple[Term, ...]
     working: dict[str, float] = field(default_factory=dict)  # the trainer: candidates for "working set"
     note: str = ""
@@ -150,18 +149,10 @@ class ModelShape:
 
     @classmethod
     def from_hf(cls, hf: dict) -> "ModelShape":
-        from canopy.modules.policy import model_family, qwen3_config_from_hf
+        from canopy.modules.policy import build_model
 
-        if model_family(hf) == "qwen3_5":
-            from canopy.modules.qwen3_5 import build_qwen3_5, text_config
-
-            _, model, _ = build_qwen3_5("unused", hf, meta=True)
-            text = text_config(hf)
-        else:
-            with torch.device("meta"):
-                model = qwen3_config_from_hf(hf).build()
-            text = hf
-        model.init_states(buffer_device=torch.device("meta"))
+        model = build_model(hf, device="meta")
+        text = hf.get("text_config") or hf  # a multimodal checkpoint nests the language model's config
         named = list(model.named_parameters())
         layers = list(model.layers.values())
         kinds, kind_layers, signatures = [], [], []
@@ -270,7 +261,7 @@ def trainer_plan(shape: ModelShape, layout: TrainerLayout) -> Plan:
         terms.append(Term("cuda context and nccl", comms * GIB, "fixed estimate", True))
         subtotal = sum(term.bytes for term in terms)
         terms.append(Term("allocator headroom", ALLOCATOR_HEADROOM * subtotal, "10% for fragmentation", True))
-    return Plan("trainer", tuple(terms), working)
+    return Plan(tuple(terms), working)
 
 
 def _listed(amounts: dict[str, float]) -> str:
@@ -303,7 +294,7 @@ def sglang_plan(
         f"{fits} full-context episodes ({context_tokens:,} tokens, {episode / GIB:.2f} GiB each) in flight per "
         f"server; {episodes} requested" + (": SGLang queues the rest" if fits < episodes else "")
     )
-    return Plan("sglang server", terms, note=note, episodes=fits)
+    return Plan(terms, note=note, episodes=fits)
 
 
 def _recurrent_state_bytes(text: dict, linear_layers: int) -> float:

@@ -119,8 +119,7 @@ class ChunkedLogprobs(torch.autograd.Function):
             grad_z.mul_(log_p.add_(stats[1, start:end, None]).mul_(g_h).add_(g_y)).neg_()
             del log_p
             local = targets[start:end] - ctx.vocab_start
-            owned = (local >= 0) & (local < weight.shape[0])
-            rows = owned.nonzero().squeeze(-1)
+            rows = _owned(local, weight.shape[0]).nonzero().squeeze(-1)
             grad_z[rows, local[rows]] += g_y[rows, 0]
             grad_z = grad_z.div_(ctx.temperature).to(weight.dtype)
             if grad_hidden is not None:
@@ -168,6 +167,10 @@ def _log_softmax_chunk(hidden, weight, temperature, group):
 
 def _pick_targets(log_p: torch.Tensor, local_targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """log p of each token's target where this rank's vocabulary slice holds it (`owned`)."""
-    owned = (local_targets >= 0) & (local_targets < log_p.shape[-1])
     picked = log_p.gather(-1, local_targets.clamp(0, log_p.shape[-1] - 1).unsqueeze(-1)).squeeze(-1)
-    return picked, owned
+    return picked, _owned(local_targets, log_p.shape[-1])
+
+
+def _owned(local_targets: torch.Tensor, width: int) -> torch.Tensor:
+    """Which targets (as offsets into this rank's vocabulary slice of `width` rows) the slice holds."""
+    return (local_targets >= 0) & (local_targets < width)

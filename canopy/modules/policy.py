@@ -117,6 +117,21 @@ def read_hf_weights(path: str | Path) -> dict[str, torch.Tensor]:
     return state
 
 
+def build_model(hf: dict, device: str = "cpu") -> torch.nn.Module:
+    """The TorchTitan model of config.json `hf`'s family with its buffers (RoPE) initialized and its parameters
+    left to be loaded: allocated on `device`, or no memory at all on "meta"."""
+    if model_family(hf) == "qwen3_5":
+        from canopy.modules.qwen3_5 import build_qwen3_5
+
+        _, model, _ = build_qwen3_5("", hf, meta=True)  # no checkpoint: its weight mover is never used
+    else:
+        with torch.device("meta"):
+            model = qwen3_config_from_hf(hf).build()
+    model.to_empty(device=device)
+    model.init_states(buffer_device=torch.device(device))
+    return model
+
+
 def load_policy(path: str | Path, dtype: torch.dtype = torch.float32):
     """Build the TorchTitan model of `path`'s family and load its HF weights exactly (strict); returns the model
     and the adapter that exports it."""
@@ -125,14 +140,10 @@ def load_policy(path: str | Path, dtype: torch.dtype = torch.float32):
         from canopy.modules.qwen3_5 import load_qwen3_5
 
         return load_qwen3_5(path, hf, read_hf_weights(path), dtype)
-    config = qwen3_config_from_hf(hf)
+    model = build_model(hf)  # parameters are overwritten below
     # the adapter reads the path only for a sharded checkpoint's index; a single-file checkpoint needs none
     sharded = (Path(path) / "model.safetensors.index.json").is_file()
-    adapter = Qwen3StateDictAdapter(config, str(path) if sharded else None)
-    with torch.device("meta"):
-        model = config.build()
-    model.to_empty(device="cpu")
-    model.init_states(buffer_device=torch.device("cpu"))  # RoPE cache; parameters are overwritten below
+    adapter = Qwen3StateDictAdapter(model.config, str(path) if sharded else None)
     model.load_state_dict(adapter.from_hf(read_hf_weights(path)), strict=True)
     return model.to(dtype), adapter
 

@@ -122,17 +122,9 @@ def measure_training_step(hf: dict, layout, rows: int, seq_len: int, seed: int =
 
 def _random_model(hf: dict) -> torch.nn.Module:
     """The TorchTitan model of config.json `hf`, randomly initialized on CPU in float32 (no checkpoint)."""
-    from canopy.modules.policy import model_family, qwen3_config_from_hf
+    from canopy.modules.policy import build_model
 
-    if model_family(hf) == "qwen3_5":
-        from canopy.modules.qwen3_5 import build_qwen3_5
-
-        _, model, _ = build_qwen3_5("unused", hf)
-    else:
-        with torch.device("meta"):
-            model = qwen3_config_from_hf(hf).build()
-        model.to_empty(device="cpu")
-        model.init_states(buffer_device=torch.device("cpu"))
+    model = build_model(hf)
     with torch.no_grad():
         for parameter in model.parameters():
             parameter.normal_(0.0, 0.02)

@@ -32,7 +32,7 @@ def compose_config(overrides: list[str]) -> DictConfig:
 
 def plans(cfg: DictConfig) -> tuple[Plan, dict[str, Plan | None], str]:
     """The trainer's plan, each named GPU's SGLang server plan (None without SGLang), and what the model is."""
-    path = cfg.model.path if cfg.model.path not in (None, "???") else None
+    path = OmegaConf.select(cfg, "model.path")  # None while unset (`???` included): plan `model.name`
     hf = read_model_config(path, cfg.model.get("name"))
     shape = model_shape(json.dumps(hf, sort_keys=True))
     trainer = trainer_plan(shape, TrainerLayout.from_config(cfg, device="cuda"))
