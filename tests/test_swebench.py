@@ -18,6 +18,7 @@ import pytest
 import yaml
 
 from canopy.config import ConfigError
+from canopy.datamodules.rollout import rollout_metrics
 from canopy.envs.base import EnvironmentFault, Task
 from canopy.envs.pool import EnvironmentPool, PoolSettings
 from canopy.envs.runtimes import RuntimeSettings, SandboxError, build_runtime, cgroups_usable, safe_image_name
@@ -26,6 +27,7 @@ from canopy.envs.swebench import SWEBenchEnvironment, harness, instance_task
 from canopy.rollout.agent_loop import Budget, Trajectory, run_episodes
 from canopy.rollout.engine import Generation, SamplingParams
 from canopy.tools import swe_data
+from canopy.tools.swe_attacks import HOOK
 from canopy.tools.tiny_model import build_byte_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -192,6 +194,7 @@ def test_every_reward_observation_and_quarantine_through_the_pool(generated):
         "fork_bomb": [bash("for i in $(seq 200); do sleep 5 & done; echo forked"), resolve(b), SUBMIT],
         "network": [bash(f"python3 -c \"{CONNECT}\""), resolve(b), SUBMIT],
         "write_outside": [bash("echo x > /usr/canopy-escape; echo x > /etc/canopy-escape"), resolve(b), SUBMIT],
+        "tamper": [bash(f"cat > conftest.py <<'EOF'\n{HOOK}EOF"), SUBMIT],  # restored: graded unresolved
     }  # fmt: skip
     tasks = [
         tagged(a if k in ("resolved", "unresolved", "no_submission", "empty_patch", "patch_apply_failed") else b, k)
@@ -243,6 +246,10 @@ def test_every_reward_observation_and_quarantine_through_the_pool(generated):
             assert text in observations, (key, text, observations[-1500:])
     for reason in broken:
         assert by_key[reason].quarantine == reason, (reason, by_key[reason].fault)
+    tamper = by_key["tamper"].verdict
+    assert (tamper.outcome, tamper.tamper, tamper.tampered) == ("unresolved", "restored", ("conftest.py",))
+    metrics = rollout_metrics(trajectories, "sparse")
+    assert metrics["outcome/tamper_restored"] == 1 and metrics["outcome/unresolved"] == 2
     assert not Path("/usr/canopy-escape").exists() and not Path("/etc/canopy-escape").exists()
 
 
@@ -373,6 +380,8 @@ def test_setup_errors_are_one_line_with_the_fix(generated, tmp_path, monkeypatch
             environment_kwargs(env(runtime={"kind": "podman"}))
     with pytest.raises(ConfigError, match=r"operation_timeouts_s.verdict=300 must exceed 600 s"):
         environment_kwargs(env(eval_timeout_s=600))
+    with pytest.raises(ConfigError, match="env.swebench.tamper='strict' is unknown: use restore"):
+        environment_kwargs(env(tamper="strict"))
     with pytest.raises(ConfigError, match="missing_image_scores_zero names splits \\['verified'\\]"):
         environment_kwargs(env(missing_image_scores_zero=["verified"]))
     with pytest.raises(ConfigError, match=r"env.swebench.data.verified=.*verified.jsonl does not exist: prepare it"):

@@ -245,6 +245,8 @@ def rollout_metrics(trajectories: list[Trajectory], reward_kind: str) -> dict[st
         metrics[f"ending/{ending}"] = count / len(scored)
     for outcome, count in Counter(t.verdict.outcome for t in scored if t.verdict and t.verdict.outcome).items():
         metrics[f"outcome/{outcome}"] = count  # named endings of an environment (SWE-bench: resolved, no_submission...)
+    for action, count in Counter(t.verdict.tamper for t in scored if t.verdict and t.verdict.tamper).items():
+        metrics[f"outcome/tamper_{action}"] = count  # graded after restoring what the patch tampered with, or rejected
     return metrics
 
 

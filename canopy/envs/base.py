@@ -23,12 +23,16 @@ class Task:
 class Verdict:
     """Result of the task's unit tests U(q): `passed` of `total` tests passed. `outcome` names how the episode
     ended where an environment distinguishes (SWE-bench: resolved, unresolved, no_submission, ...); `fixed_reward`
-    overrides both reward kinds for endings that leave nothing to test (Table A3's -0.2)."""
+    overrides both reward kinds for endings that leave nothing to test (Table A3's -0.2). `tamper` says what the
+    grader did with a submission that changed how its tests run (`restored` them, or `rejected` it untested), and
+    `tampered` names what it changed."""
 
     passed: int
     total: int
     outcome: str = ""
     fixed_reward: float | None = None
+    tamper: str = ""
+    tampered: tuple[str, ...] = ()
 
     @property
     def success(self) -> bool:

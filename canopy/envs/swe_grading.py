@@ -24,6 +24,7 @@ from pathlib import Path
 
 from canopy.envs.base import EnvironmentFault
 from canopy.envs.runtimes import SandboxError
+from canopy.envs.swe_guard import TamperGuard
 
 SWEBENCH_VERSION = "5.0.2"
 PATCH_PATH = "/tmp/canopy-submission.patch"
@@ -77,6 +78,8 @@ class Grade:
     passed: int
     total: int
     detail: str = ""
+    tamper: str = ""  # "restored" | "rejected" when the patch changed what the tamper guard protects
+    tampered: tuple[str, ...] = ()  # those paths (canopy.envs.swe_guard)
 
 
 def test_spec(instance: dict):
@@ -148,19 +151,28 @@ def infra_failure(log: str) -> str | None:
     return found[0] if found and found[1] == sb.infra.TIER_ENVIRONMENT else None
 
 
-def grade(runtime, instance: dict, patch: str, timeout: float, command_timeout: float = 120) -> Grade:
-    """Grade `patch` for `instance` in a fresh sandbox of its image (the agent's side effects cannot leak in)."""
+def grade(
+    runtime, instance: dict, patch: str, timeout: float, command_timeout: float = 120, tamper: str = "restore"
+) -> Grade:
+    """Grade `patch` for `instance` in a fresh sandbox of its image (the agent's side effects cannot leak in).
+    `tamper` (canopy.envs.swe_guard): `restore` puts back what the patch changed of how its tests run, `reject`
+    scores such a patch unresolved untested, `off` grades as upstream swebench does."""
+    total = len(instance["FAIL_TO_PASS"]) + len(instance["PASS_TO_PASS"])
     if not patch.strip():
-        return Grade("empty_patch", 0, len(instance["FAIL_TO_PASS"]) + len(instance["PASS_TO_PASS"]))
+        return Grade("empty_patch", 0, total)
     try:
         sandbox = runtime.start(instance["image"])
     except SandboxError as error:
         raise EnvironmentFault("grading_sandbox_failed", str(error)) from None
     try:
+        guard = TamperGuard(sandbox, instance, command_timeout) if tamper != "off" else None
         applied, output = apply_patch(sandbox, patch, command_timeout)
         if not applied:
-            total = len(instance["FAIL_TO_PASS"]) + len(instance["PASS_TO_PASS"])
             return Grade("patch_apply_failed", 0, total, output.strip()[-300:])
+        tampered = tuple(guard.changed()) if guard is not None else ()
+        if tampered and (tamper == "reject" or not guard.restore(list(tampered))):
+            detail = "the patch changes how its tests run" + ("" if tamper == "reject" else " beyond restoring")
+            return Grade("unresolved", 0, total, detail, "rejected", tampered)
         log, timed_out = run_tests(sandbox, instance, timeout)
     except SandboxError as error:
         raise EnvironmentFault("grading_sandbox_failed", str(error)) from None
@@ -170,6 +182,7 @@ def grade(runtime, instance: dict, patch: str, timeout: float, command_timeout: 
     if signature is not None:
         raise EnvironmentFault("grading_infra_failure", f"{instance['instance_id']}: swebench signature {signature}")
     passed, total, resolved = score_log(instance, log)
+    restored = ("restored", tampered) if tampered else ()
     if timed_out:
-        return Grade("unresolved", passed, total, f"tests ran past {timeout:.0f} s")
-    return Grade("resolved" if resolved else "unresolved", passed, total)
+        return Grade("unresolved", passed, total, f"tests ran past {timeout:.0f} s", *restored)
+    return Grade("resolved" if resolved else "unresolved", passed, total, "", *restored)

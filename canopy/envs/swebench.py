@@ -32,6 +32,7 @@ from pathlib import Path
 from canopy.envs.base import EnvironmentFault, StepResult, Task, Verdict
 from canopy.envs.runtimes import ImageMissing, RuntimeSettings, SandboxError, build_runtime
 from canopy.envs.swe_grading import grade
+from canopy.envs.swe_guard import POLICIES
 
 MINI_SWE_AGENT_VERSION = "1.17.5"
 SUBMIT_MARKERS = ("MINI_SWE_AGENT_FINAL_OUTPUT", "COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT")  # DefaultAgent.has_finished
@@ -138,6 +139,7 @@ class SWEBenchSettings:
     command_timeout_s: float | None = None  # null: mini-swe-agent's own (60 s)
     missing_image_scores_zero: list = field(default_factory=list)  # splits (Appendix H's evaluation); else quarantine
     check_base_commit: bool = True
+    tamper: str = "restore"  # restore | reject | off (canopy.envs.swe_guard)
 
     def validate(self, pool) -> None:
         from canopy.config import require
@@ -155,6 +157,10 @@ class SWEBenchSettings:
         unknown = sorted(set(self.missing_image_scores_zero) - set(self.data))
         require(
             not unknown, f"env.swebench.missing_image_scores_zero names splits {unknown} that env.swebench.data lacks"
+        )
+        require(
+            self.tamper in POLICIES,
+            f"env.swebench.tamper={self.tamper!r} is unknown: use restore (the default), reject or off (upstream)",
         )
         require(self.no_patch_reward <= 0, f"env.swebench.no_patch_reward={self.no_patch_reward} must be <= 0")
         for key in ("rollout_timeout_s", "eval_timeout_s"):
@@ -233,10 +239,13 @@ class SWEBenchEpisode:
             return Verdict(0, total, "image_unavailable")
         if self.submission is None:
             return Verdict(0, total, self.ending, fixed_reward=no_patch)
-        result = grade(self.env.runtime, self.instance, self.submission, self.env.settings.eval_timeout_s)
+        settings = self.env.settings
+        result = grade(
+            self.env.runtime, self.instance, self.submission, settings.eval_timeout_s, tamper=settings.tamper
+        )
         if result.outcome in NO_PATCH_OUTCOMES:
             return Verdict(0, result.total, result.outcome, fixed_reward=no_patch)
-        return Verdict(result.passed, result.total, result.outcome)
+        return Verdict(result.passed, result.total, result.outcome, tamper=result.tamper, tampered=result.tampered)
 
     def close(self) -> None:
         if self.sandbox is not None:

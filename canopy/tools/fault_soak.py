@@ -11,8 +11,10 @@ SWE mode (`swe_soak`): SWE-bench episodes (generated tasks, bubblewrap sandboxes
 serving faults of `canopy.envs.swe_fault_injection`, each to be quarantined for its reason, and the agent's own
 faults, each to get its Table A3 outcome and reward: a wrong fix (unresolved), no submission, an empty patch and a
 garbage diff (-0.2); format errors, a command past its timeout, an OOM-killed command, a fork bomb, a network
-attempt and a write outside the sandbox are observations, after which the agent resolves the task. It reports the
-latency percentiles of sandbox starts, commands and grading.
+attempt and a write outside the sandbox are observations, after which the agent resolves the task. Tampering agents
+submit attacks of `canopy.tools.swe_attacks` (a conftest hook, a plugin, a git hook ...): each must be graded
+unresolved with what it tampered with restored. It reports the latency percentiles of sandbox starts, commands and
+grading.
 """
 
 import json
@@ -31,6 +33,7 @@ from canopy.envs.swe_fault_injection import SERVING_FAULTS
 from canopy.envs.swebench import NO_PATCH_OUTCOMES
 from canopy.rollout.agent_loop import Budget, Trajectory, run_episodes
 from canopy.rollout.engine import Generation, SamplingParams
+from canopy.tools.swe_attacks import ATTACKS
 from canopy.tools.swe_data import generate
 from canopy.tools.tiny_model import build_byte_tokenizer
 
@@ -235,7 +238,13 @@ SWE_FAILURES = {  # kind -> (the agent's replies, the last one repeating; the ou
         "patch_apply_failed",
     ),
 }
-SWE_KINDS = (*SERVING_FAULTS, "image_unavailable", *SWE_DETOURS, *SWE_FAILURES)
+SWE_TAMPERING = {  # kind -> an attack of canopy.tools.swe_attacks that needs no repository, submitted as its patch
+    f"tamper_{attack.name}": attack
+    for attack in ATTACKS
+    if attack.name in ("conftest_outcome_hook", "conftest_exit_zero", "pytest_ini_plugin", "entry_point_plugin",
+                       "sitecustomize", "git_hook", "binary_conftest")
+}  # fmt: skip
+SWE_KINDS = (*SERVING_FAULTS, "image_unavailable", *SWE_DETOURS, *SWE_FAILURES, *SWE_TAMPERING)
 SWE_REWARDS = {"resolved": 1.0, "unresolved": 0.0, "image_unavailable": 0.0, **dict.fromkeys(NO_PATCH_OUTCOMES, -0.2)}
 LATENCY_OPS = {"sandbox_start": "sandbox start", "command": "command", "grading_command": "grading command",
                "grading": "grading"}  # fmt: skip
@@ -260,6 +269,8 @@ def swe_soak_jobs(count: int, fault_rate: float, seed: int, base_tasks: list[Tas
         elif kind == "image_unavailable":
             spec.update(inject="image_missing", phase="start", split="eval")
             expected = "image_unavailable"
+        elif kind in SWE_TAMPERING:
+            expected = "unresolved (tamper restored)"  # the guard puts back what the patch tampered with
         else:
             expected = SWE_FAILURES[kind][1] if kind in SWE_FAILURES else "resolved"
         jobs.append(SoakJob(Task(f"swe{i}-{kind}", base.tier, base.scenario, spec), kind, expected))
@@ -271,6 +282,9 @@ class SWESoakAgent(SoakAgent):
     (`git apply` of a heredoc) and submitted."""
 
     def action(self, job: SoakJob, turn: int) -> str:
+        if job.kind in SWE_TAMPERING:
+            patch = SWE_TAMPERING[job.kind].patch(job.task.spec, None)
+            return bash(f"echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT && cat <<'CANOPY_PATCH'\n{patch}CANOPY_PATCH")
         if job.kind in SWE_FAILURES:
             replies = SWE_FAILURES[job.kind][0]
         else:
@@ -290,7 +304,8 @@ def swe_observed_class(trajectory: Trajectory, tokenizer) -> str:
     if trajectory.verdict is None:
         return f"agent_failure:{trajectory.agent_failure}"
     outcome, reward = trajectory.verdict.outcome, trajectory.reward("sparse")
-    return outcome if SWE_REWARDS.get(outcome) == reward else f"{outcome} (reward {reward})"
+    tamper = f" (tamper {trajectory.verdict.tamper})" if trajectory.verdict.tamper else ""
+    return outcome + tamper if SWE_REWARDS.get(outcome) == reward else f"{outcome}{tamper} (reward {reward})"
 
 
 def swe_soak(episodes: int, workers: int, fault_rate: float = 0.5, seed: int = 0, tasks: int = 4):
@@ -333,7 +348,9 @@ def swe_soak(episodes: int, workers: int, fault_rate: float = 0.5, seed: int = 0
             episodes,
         )
         counts["latency"] = latency_percentiles(latency_dir)
-    counts["agent_failed"] = sum(c == job.expected != "resolved" and job.kind in SWE_FAILURES for job, _, c in rows)
+    counts["agent_failed"] = sum(
+        c == job.expected != "resolved" and job.kind in (*SWE_FAILURES, *SWE_TAMPERING) for job, _, c in rows
+    )
     return counts, rows
 
 

@@ -318,6 +318,15 @@ BUGS = [
         ("assert reverse_words('a b c') == 'c b a'", "assert reverse_words('one') == 'one'")),
 ]  # fmt: skip
 TEST_CMD = "python3 -m pytest -rA --tb=no -p no:cacheprovider"
+RUNNER = "python3 tests/runtests.py"  # the runner-script tasks' test command, as Django's tests/runtests.py
+RUNNER_SCRIPT = f"""\"\"\"The repository's own test runner: pytest on the test files it is given.\"\"\"
+import sys
+
+import pytest
+
+sys.exit(pytest.main({TEST_CMD.split()[3:]!r} + sys.argv[1:]))
+"""
+EDITABLE = "export PYTHONPATH=/testbed  # the repository on sys.path from the start, as an editable install puts it"
 GIT_ENV = {"HOME": "/nonexistent", "GIT_CONFIG_NOSYSTEM": "1", "PATH": "/usr/bin:/bin"}
 for role in ("AUTHOR", "COMMITTER"):  # fixed identity and date: the same seed gives the same commits
     GIT_ENV.update({f"GIT_{role}_NAME": "canopy", f"GIT_{role}_EMAIL": "canopy@localhost"})
@@ -352,7 +361,9 @@ def _diff(repo: Path, path: str, text: str) -> str:
 
 
 def generate_task(out: Path, index: int, rng: random.Random) -> dict:
-    """One task: its image (a git repo at the buggy commit) under out/images, and its instance (no tests yet)."""
+    """One task: its image (a git repo at the buggy commit) under out/images, and its instance (no tests yet).
+    Every fourth task from the third runs its tests through the repository's own runner script; every fourth from
+    the fourth has its new tests in a new file of the test patch (old tests unrun: no PASS_TO_PASS)."""
     from canopy.envs.runtimes import safe_image_name
 
     bug = BUGS[index % len(BUGS)]
@@ -378,6 +389,9 @@ def generate_task(out: Path, index: int, rng: random.Random) -> dict:
         f"\ndef test_{f.name}_{k}():\n    {check}\n" for f in existing for k, check in enumerate(f.tests)
     )
     (repo / "tests" / "test_core.py").write_text(f"{imports}\n{old_tests}")
+    runner, new_file = index % 4 == 2, index % 4 == 3
+    if runner:
+        (repo / "tests" / "runtests.py").write_text(RUNNER_SCRIPT)
     (repo / ".gitignore").write_text("__pycache__/\n*.pyc\n")
     _git(repo, "init", "-q", "-b", "main")
     _git(repo, "add", "-A")
@@ -385,7 +399,12 @@ def generate_task(out: Path, index: int, rng: random.Random) -> dict:
     base_commit = _git(repo, "rev-parse", "HEAD").strip()
     name = bug.name  # the test patch adds the bug's tests to the existing test file: its old tests are PASS_TO_PASS
     new_tests = "\n".join(f"\ndef test_{name}_behaviour_{k}():\n    {check}\n" for k, check in enumerate(bug.tests))
-    test_patch = _diff(repo, "tests/test_core.py", f"{imports}from {package} import {name}\n\n{old_tests}{new_tests}")
+    if new_file:
+        test_patch = _diff(repo, f"tests/test_{name}.py", f"from {package} import {name}\n\n{new_tests}")
+    else:
+        test_patch = _diff(
+            repo, "tests/test_core.py", f"{imports}from {package} import {name}\n\n{old_tests}{new_tests}"
+        )
     gold_patch = _diff(repo, f"{package}/core.py", _module(functions, buggy=None))
     instance = {
         "instance_id": instance_id,
@@ -403,7 +422,7 @@ def generate_task(out: Path, index: int, rng: random.Random) -> dict:
         "FAIL_TO_PASS": [],
         "PASS_TO_PASS": [],
     }
-    instance["eval_script"] = eval_script(instance, TEST_CMD)
+    instance["eval_script"] = eval_script(instance, RUNNER if runner else TEST_CMD, [EDITABLE])
     return instance
 
 
