@@ -9,11 +9,29 @@ process ends the episode as the agent's failure. Tiers: 1 = write a given number
 
 Before every step the episode checks that its scratch directory still carries its own identity (written
 where the sandboxed code cannot write): a mismatch is cross-episode corruption, a serving-layer fault.
+
+What the agent's code can and cannot touch (issue 28, tests/test_python_tasks_integrity.py):
+- It can write anything in its own scratch directory, `answer.txt` and `.submitted` included, and redefine
+  `submit`: the verdict reads only what `answer.txt` holds when the episode ends. An answer that is not a
+  regular file it can open (a symlink, FIFO, directory, unreadable file) counts as no answer; only the first
+  `MAX_ANSWER_BYTES` are read. Any exit status is its own: an exit, even with the runner's setup-failure
+  status, is an ordinary error; a signal or a broken limit is its failure (scored 0), never a quarantine.
+- It cannot write outside its scratch directory (the `identity` file, /tmp, other episodes' directories:
+  Landlock), signal or trace the worker, or leave a process running past its step (when run as root, every
+  process of the sandbox uid is killed; see `canopy.envs.sandbox`). The expected answer lives only in the
+  worker's memory (and in `make_tasks`, which only restates what the prompt asks).
+- It cannot read other episodes' answers: the episode directories sit in a folder it cannot list, under random
+  names, and each scratch directory is private to its sandbox uid (one per pool worker, so a path seen in
+  another worker's /proc/<pid>/cmdline does not help; in-process episodes share a uid but run their sandboxes
+  one at a time). Without root (one uid for everything, in a user namespace) file modes protect nothing and
+  processes can outlive their step: run code-executing environments as root.
 """
 
+import errno
 import os
 import random
 import shutil
+import stat
 import tempfile
 import uuid
 from pathlib import Path
@@ -24,6 +42,7 @@ from canopy.envs.sandbox import SandboxLimits, prepare_scratch, run_sandboxed
 SYSTEM_PROMPT = "Solve the task with Python. Reply with one ```python``` block; call submit(value) with the answer."
 PRELUDE = "def submit(value):\n    open('answer.txt', 'w').write(str(value))\n    open('.submitted', 'w').close()\n"
 SPLIT_SEEDS = {"train": 0, "dev": 1, "test": 2}
+MAX_ANSWER_BYTES = 1 << 20  # a verdict reads no more of answer.txt (its size is bounded only by max_file_mb)
 WORDS = ("pine", "oak", "fern", "moss", "elm", "ash", "yew", "fir", "ivy", "reed")
 
 
@@ -53,10 +72,13 @@ class PythonTaskEpisode:
     def __init__(self, task: Task, scratch_root: Path, limits: SandboxLimits, max_observation_chars: int):
         self.task, self.limits, self.max_observation_chars = task, limits, max_observation_chars
         self.identity = uuid.uuid4().hex
+        scratch_root.mkdir(parents=True, exist_ok=True)
+        scratch_root.chmod(0o711)  # unlistable: other episodes' code cannot find this episode's directory
         self.home = scratch_root / f"episode-{self.identity}"
-        self.home.mkdir(parents=True)
+        self.home.mkdir(mode=0o711)
         (self.home / "identity").write_text(self.identity)
         self.scratch = prepare_scratch(self.home / "scratch")
+        self.scratch.chmod(0o700)  # readable by its own sandbox uid only, not by other workers' sandboxes
 
     def messages(self) -> list[dict]:
         return [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": self.task.spec["prompt"]}]
@@ -74,16 +96,34 @@ class PythonTaskEpisode:
         result = run_sandboxed(PRELUDE + code, self.scratch, self.limits)
         if result.agent_fault:
             raise AgentFailure(f"agent_{result.status}", result.output[-200:])
-        done = (self.scratch / ".submitted").exists()
+        done = os.path.exists(self.scratch / ".submitted")  # False, not an error, if the code made it unreadable
         observation = result.output[: self.max_observation_chars] or "(no output)"
         return StepResult(observation, done=done)
 
     def verdict(self) -> Verdict:
         self._check_identity()
-        answer_file = self.scratch / "answer.txt"
-        exists = answer_file.is_file() and not answer_file.is_symlink()
-        correct = exists and answer_file.read_text(errors="replace").strip() == self.task.spec["answer"]
+        answer = self._answer()
+        exists = answer is not None
+        correct = exists and answer.strip() == self.task.spec["answer"]
         return Verdict(passed=int(exists) + int(correct), total=2)
+
+    def _answer(self) -> str | None:
+        """What `answer.txt` holds, or None unless it is a regular file the verdict can open. It is opened once,
+        without following a symlink or waiting (on a FIFO, a lease), and checked on the open descriptor, so a
+        process that swaps the path meanwhile cannot make the verdict judge another file, hang or raise: each of
+        these would quarantine the episode, or reward what was not submitted."""
+        try:
+            fd = os.open(self.scratch / "answer.txt", os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError as error:
+            if error.errno in (errno.ENOENT, errno.ELOOP, errno.EACCES, errno.EAGAIN):
+                return None  # none, a symlink, unreadable (without root), leased: the agent's own doing
+            raise
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                return None
+            return os.read(fd, MAX_ANSWER_BYTES).decode(errors="replace")
+        finally:
+            os.close(fd)
 
     def close(self) -> None:
         shutil.rmtree(self.home, ignore_errors=True)
@@ -95,9 +135,8 @@ class PythonTaskEnvironment:
     def __init__(self, sandbox: dict | None = None, max_observation_chars: int = 2000, tasks_per_tier: int = 10):
         self.limits = SandboxLimits(**(sandbox or {}))
         self.max_observation_chars, self.tasks_per_tier = max_observation_chars, tasks_per_tier
-        self.scratch_root = Path(
-            os.environ.get("CANOPY_SCRATCH_ROOT") or Path(tempfile.gettempdir()) / "canopy-scratch"
-        )
+        root = Path(os.environ.get("CANOPY_SCRATCH_ROOT") or Path(tempfile.gettempdir()) / "canopy-scratch")
+        self.scratch_root = root / "python_tasks"  # a folder of its own: the episodes chmod it
 
     def tasks(self, split: str) -> list[Task]:
         return make_tasks(split, self.tasks_per_tier)

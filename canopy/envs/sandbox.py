@@ -24,6 +24,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -35,6 +36,7 @@ RUNNER = Path(__file__).with_name("sandbox_runner.py")
 FIRST_UID = 61000
 PR_SET_CHILD_SUBREAPER = 36
 UID_LOCKS = Path(tempfile.gettempdir()) / "canopy-sandbox-uids"
+_ONE_AT_A_TIME = threading.Lock()  # see `run_sandboxed`
 
 
 @dataclass(frozen=True)
@@ -182,26 +184,40 @@ def private_home(home: Path) -> dict[str, str]:
 
 
 def run_sandboxed(code: str, scratch: Path, limits: SandboxLimits) -> ExecResult:
+    """Run `code` confined in `scratch`. The sandboxes of one process share its uid and end by killing every
+    process of that uid, so they run one at a time: concurrent episodes of an in-process environment would
+    otherwise kill (and reap) each other's code. A pool runs them in parallel, one uid per worker."""
+    with _ONE_AT_A_TIME:
+        return _run_sandboxed(code, scratch, limits)
+
+
+def _run_sandboxed(code: str, scratch: Path, limits: SandboxLimits) -> ExecResult:
     uid = sandbox_uid()
     _become_subreaper()
     nproc = limits.max_processes if uid is not None else _process_count(os.getuid()) + limits.max_processes
-    settings = {**asdict(limits), "uid": uid, "nproc": nproc, "parent_pid": os.getpid()}
+    ready, ready_signal = os.pipe()  # the runner writes b"1" to `ready_signal` once confined, before the code runs
+    settings = {**asdict(limits), "uid": uid, "nproc": nproc, "parent_pid": os.getpid(), "ready_fd": ready_signal}
     environment = {
         "PATH": "/usr/local/bin:/usr/bin:/bin",
         **private_home(scratch),
         "TMPDIR": str(scratch),
         "PYTHONDONTWRITEBYTECODE": "1",
     }
-    with tempfile.TemporaryFile() as output:  # a file, not a pipe: a flood of output cannot block or bloat us
-        process = subprocess.Popen(
-            [sandbox_python(uid), "-I", "-S", str(RUNNER), str(scratch), json.dumps(settings)],
-            stdin=subprocess.PIPE,
-            stdout=output,
-            stderr=subprocess.STDOUT,
-            cwd=scratch,
-            env=environment,
-            start_new_session=True,
-        )
+    # output: a file, not a pipe: a flood of output cannot block or bloat us
+    with tempfile.TemporaryFile() as output, open(ready, "rb", buffering=0) as confirmation:
+        try:
+            process = subprocess.Popen(
+                [sandbox_python(uid), "-I", "-S", str(RUNNER), str(scratch), json.dumps(settings)],
+                stdin=subprocess.PIPE,
+                stdout=output,
+                stderr=subprocess.STDOUT,
+                cwd=scratch,
+                env=environment,
+                start_new_session=True,
+                pass_fds=(ready_signal,),
+            )
+        finally:
+            os.close(ready_signal)
         try:
             process.stdin.write(code.encode())
             process.stdin.close()
@@ -212,7 +228,9 @@ def run_sandboxed(code: str, scratch: Path, limits: SandboxLimits) -> ExecResult
         returncode = process.returncode
         output.seek(0)
         text = output.read(limits.max_output_chars * 4).decode(errors="replace")[: limits.max_output_chars]
-    if returncode == EXIT_SETUP:
+        os.set_blocking(ready, False)  # every writer is dead by now; this only guards against a hang
+        set_up = (confirmation.read(1) or b"") == b"1"
+    if returncode == EXIT_SETUP and not set_up:  # the code's own exit(70) is the code's, not a setup fault
         raise EnvironmentFault("sandbox_setup_failed", text.strip().splitlines()[-1] if text.strip() else "")
     return ExecResult(_status(returncode, timed_out), text, None if timed_out else returncode)
 

@@ -8,7 +8,9 @@ Before the code runs, the process confines itself, in this order: its own networ
 resource limits (CPU seconds, address space, file size, processes, no core dumps), an unprivileged user of
 its own when started as root (so the process limit counts only its own processes and it can signal nothing
 else), death with its parent, and a Landlock ruleset that allows writes only beneath SCRATCH (and to
-/dev/null). Setup failures exit with EXIT_SETUP: that is the serving layer's fault, not the agent's.
+/dev/null). Setup failures exit with EXIT_SETUP: that is the serving layer's fault, not the agent's. Once
+confined, the runner writes one byte to the parent's `ready_fd` and closes it, so that the code's own exit
+with status EXIT_SETUP is not mistaken for a setup failure.
 """
 
 import ctypes
@@ -153,6 +155,8 @@ def main() -> None:
         die_with_parent(limits["parent_pid"])
         restrict_writes(scratch)
         os.chdir(scratch)
+        os.write(limits["ready_fd"], b"1")  # confined: from here on, an exit status is the code's own
+        os.close(limits["ready_fd"])
     except OSError as error:
         print(f"sandbox setup failed: {error}", file=sys.stderr)
         os._exit(EXIT_SETUP)
