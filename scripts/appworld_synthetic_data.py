@@ -1,8 +1,8 @@
 """Write a small AppWorld data root of synthetic tasks in AppWorld's own on-disk format.
 
 Run with the AppWorld venv's python (it imports appworld): `.venv-appworld/bin/python
-scripts/appworld_synthetic_data.py ROOT`. It writes ROOT/data/tasks/<scenario>_<n>/ (specs.json, dbs/ built
-empty with `ModelCollection.load(..., create_db=True)` plus the supervisor, the active task and the API docs, and
+scripts/appworld_synthetic_data.py ROOT`. It writes ROOT/data/tasks/<scenario>_<n>/ (specs.json, dbs/ (every app's)
+built empty with `ModelCollection.load(..., create_db=True)` plus the supervisor, the active task and the API docs, and
 ground_truth/ with metadata.json, evaluation.py, answer.json ...), ROOT/data/datasets/<split>.txt and
 ROOT/data/api_docs/ (generated from the installed apps, as AppWorld builds it). The
 official data (`appworld download data`) has the same layout; these tasks only need no download.
@@ -19,7 +19,6 @@ from textwrap import dedent
 
 SUPERVISOR = {"first_name": "Ada", "last_name": "Park", "email": "ada.park@example.com", "phone_number": "5550100123"}
 DATETIME = "2023-05-18T12:00:00"
-APPS = ["admin", "supervisor", "api_docs"]
 EVALUATION = dedent(
     """
     import json
@@ -58,6 +57,7 @@ def write_json(value, path: str) -> None:
 
 
 def write_task(data: str, task_id: str, instruction: str, answer, difficulty: int, api_docs: dict) -> None:
+    from appworld.apps import get_all_apps
     from appworld.apps.model_lib import get_db_home_path
     from appworld.collections.models import ModelCollection
     from appworld.common.constants import CANARY_STRING, DB_VERSION
@@ -74,18 +74,11 @@ def write_task(data: str, task_id: str, instruction: str, answer, difficulty: in
     write_json(specs, os.path.join(task_dir, "specs.json"))
 
     memory = get_db_home_path(storage_type="memory", type="task_input", task_id=task_id)
-    models = ModelCollection.load(to_db_home_path=memory, from_db_home_path=memory, load_apps=APPS, create_db=True)
-    supervisor = models.supervisor.Supervisor.create(**SUPERVISOR, birthday="1990-01-01")
-    supervisor.save()
+    base = os.path.join(data, "base_dbs")
+    models = ModelCollection.load(to_db_home_path=memory, from_db_home_path=base, load_apps=get_all_apps())
+    supervisor = models.supervisor.Supervisor.find_one(email=SUPERVISOR["email"])
     models.supervisor.Task.create(supervisor_id=supervisor.id, instruction=instruction).save()
-    models.admin.MainUser.create(**SUPERVISOR, birthday="1990-01-01").save()
-    for app_name, docs in api_docs.items():  # what `apis.api_docs.*` serves (the official base DBs hold it)
-        for doc in docs.values():
-            fields = {
-                key: doc[key] for key in ("api_name", "path", "method", "description", "parameters", "response_schemas")
-            }
-            models.api_docs.ApiDoc.create(app_name_=app_name, **fields).save()
-    models.save(db_home_path=os.path.join(task_dir, "dbs"), app_names=APPS, format="full")
+    models.save(db_home_path=os.path.join(task_dir, "dbs"), app_names=get_all_apps(), format="changes")
 
     ground_truth = os.path.join(task_dir, "ground_truth")
     metadata = {
@@ -110,6 +103,28 @@ def write_task(data: str, task_id: str, instruction: str, answer, difficulty: in
     write_json(tests, os.path.join(ground_truth, "test_data.json"))
 
 
+def write_base_dbs(data: str, api_docs: dict) -> None:
+    """data/base_dbs/: every app's database with the supervisor and the API docs; a task's dbs/ hold its changes
+    (its active task), as in the official data."""
+    from appworld.apps import get_all_apps
+    from appworld.apps.model_lib import get_db_home_path
+    from appworld.collections.models import ModelCollection
+
+    memory = get_db_home_path(storage_type="memory", type="base")
+    models = ModelCollection.load(
+        to_db_home_path=memory, from_db_home_path=memory, load_apps=get_all_apps(), create_db=True
+    )
+    models.supervisor.Supervisor.create(**SUPERVISOR, birthday="1990-01-01").save()
+    models.admin.MainUser.create(**SUPERVISOR, birthday="1990-01-01").save()
+    for app_name, docs in api_docs.items():  # what `apis.api_docs.*` serves
+        for doc in docs.values():
+            fields = {
+                key: doc[key] for key in ("api_name", "path", "method", "description", "parameters", "response_schemas")
+            }
+            models.api_docs.ApiDoc.create(app_name_=app_name, **fields).save()
+    models.save(db_home_path=os.path.join(data, "base_dbs"), app_names=get_all_apps(), format="full")
+
+
 def main(root: str) -> None:
     from appworld import update_root
     from appworld.collections.api_docs import ApiDocCollection
@@ -125,6 +140,7 @@ def main(root: str) -> None:
             {name: {**doc, "canary_string": CANARY_STRING} for name, doc in docs.items()},
             os.path.join(data, "api_docs", "standard", f"{app_name}.json"),
         )
+    write_base_dbs(data, api_docs)
     splits: dict[str, list[str]] = {"train": [], "dev": [], "test_normal": [], "test_challenge": []}
     for scenario, split, difficulty, tasks in SCENARIOS:
         for number, (instruction, answer) in enumerate(tasks, start=1):

@@ -246,7 +246,7 @@ def test_appworld_config_names_the_fix(env_kwargs, tiny_path, override, message)
     )
 
 
-def test_policy_code_in_the_server_has_no_network_and_writes_only_under_the_root(pool, tmp_path):
+def test_policy_code_in_the_server_has_no_network_and_writes_only_in_its_folder(pool, tmp_path):
     """The AppWorld server runs the policy's code, so it runs confined (canopy.envs.sandbox.confined)."""
     outside = tmp_path / "outside.txt"
     episode = pool.start(pool.tasks("train")[0], seed=0)
@@ -289,12 +289,12 @@ def test_servers_never_write_to_the_users_home(env_kwargs, monkeypatch, tmp_path
 
 
 def broken_root(env_kwargs, tmp_path) -> Path:
-    """The synthetic data with `experiments` a file: AppWorld cannot create an experiment's output folder, so
-    every /initialize fails (a broken setup, as an unwritable home once was)."""
+    """The synthetic data with `data/base_dbs` a file: AppWorld cannot load any task's start state, so every
+    /initialize fails (a broken setup, as an unwritable home once was)."""
     root = tmp_path / "broken"
     shutil.copytree(env_kwargs["root"], root)
-    shutil.rmtree(root / "experiments", ignore_errors=True)
-    (root / "experiments").write_text("")
+    shutil.rmtree(root / "data" / "base_dbs")
+    (root / "data" / "base_dbs").write_text("")
     return root
 
 
@@ -335,8 +335,8 @@ def test_a_broken_setup_stops_training_and_evaluation_with_one_line(env_kwargs, 
         last.startswith("environment error: the environment's serving layer is failing, not the agent: ")
         and what in last
     )
-    assert "appworld_request_failed" in last and "/initialize answered 500: NotADirectoryError" in last
+    assert "appworld_request_failed" in last and "/initialize answered 500: Exception: The base DB file" in last
     log = Path(re.search(r"\(server log: (\S+)\)", last).group(1))
-    assert log.parent == run_dir / "env_logs" and "NotADirectoryError" in log.read_text()
+    assert log.parent == run_dir / "env_logs" and "The base DB file for" in log.read_text()
     assert not (run_dir / "final_hf").exists()
     assert "Traceback" not in run.stderr and run.stderr.count("environment error:") == 1

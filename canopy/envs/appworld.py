@@ -4,11 +4,21 @@ AppWorld needs its own venv (pydantic<2: `make appworld`) and holds one live wor
 pool worker runs its own AppWorld environment server, `appworld.serve.environment:app` (the app `appworld
 serve environment` runs), started lazily with that venv's python and health-checked. It listens on a private
 unix socket, not a port: it executes the policy's code, so it must not be reachable from the network, and 64
-workers cannot collide on ports. It runs `confined`: no network, writes only beneath the AppWorld root (its
-databases open read-write) and its own folder, which is also its home (`private_home`: IPython, AppWorld's cache
-and every other per-user folder are created there, never in the user's home). Every episode initializes a fresh
-world under a unique experiment name (AppWorld deletes an experiment's output folder when a world starts) and
-deletes that folder at close.
+workers cannot collide on ports. Every episode initializes a fresh world under a unique experiment name whose
+outputs (AppWorld's saved end state and logs) lie in the server's own folder, deleted at close.
+
+Reward integrity (issue 28). The policy's code runs inside that server, where AppWorld's safety guard is no
+barrier (`__import__`, `io.FileIO`, `sqlite3.Connection`, `gc` and `sys.modules` all pass it), so the server runs
+`confined`: no network, no capabilities, writes only beneath its own folder (also its home, `private_home`), and
+in a mount namespace where every task's `ground_truth/`, the root's `experiments/` and the other servers' folders
+are empty read-only folders; its worlds are initialized without ground truth. So the policy's code can read the
+task's start state, the API docs and the installed packages, and change its own world and server as it likes
+(monkeypatching included), but cannot read any answer or evaluation, another episode's state, or change any file
+outside its folder. The verdict is not the server's: `AppWorldGrader`, a process of its own that runs no policy
+code, runs AppWorld's evaluator (`evaluate_task`) on the task's ground truth and start state from the data root and
+on a copy of the world's end state (symlinks dropped) taken from the server's folder after the last step. Left to
+the policy: its own end state, which is what is graded; a thread it leaves running in the server lives on into
+the server's next episodes.
 
 Episode: the ReAct-style prompt of AppWorld's agents (supervisor identity, app descriptions, API-doc
 discovery, `apis.supervisor.complete_task`); each reply's ```python``` block runs in the world; the episode
@@ -23,15 +33,19 @@ Fault attribution, from AppWorld's real behaviour:
 - Agent code that outlives that timeout anyway (it swallows the alarm or blocks in C), or that breaks the
   request executing it (it tampered with AppWorld's objects), is an `AgentFailure` (`agent_timeout`,
   `agent_broke_world`; scored 0), and the server is replaced.
+- An end state the grader cannot load (the agent's code wrote over its saved databases) scores 0 of the task's
+  tests, the error named in the verdict's `outcome`.
 - Everything else is the serving layer's and quarantines the episode (`EnvironmentFault`): the server died
   (`appworld_server_died`) or could not start (`appworld_server_start_failed`), a request that runs no agent
-  code failed (`appworld_request_failed`) or outlived `request_timeout_s` (`appworld_server_unresponsive`),
+  code failed (`appworld_request_failed`) or outlived `request_timeout_s` (`appworld_server_unresponsive`), the
+  grader gave no verdict (`appworld_grader_failed`),
   or the server's live world is not the episode's (`cross_episode_corruption`; AppWorld also refuses a
   request for another task than its world's).
 """
 
 import json
 import os
+import select
 import shutil
 import subprocess
 import tempfile
@@ -102,6 +116,7 @@ class AppWorldServer:
         scratch.mkdir(parents=True, exist_ok=True)
         self.home = Path(tempfile.mkdtemp(prefix="appworld-", dir=scratch))
         self.socket, self.log = self.home / "server.sock", self.home / "server.log"
+        self.outputs = self.home / "outputs"  # its worlds' outputs (AppWorld's experiments/outputs), graded from here
         self.request_timeout_s = request_timeout_s
         self.world: tuple[str, str] | None = None  # (task id, experiment name) of the live world
         env = {
@@ -111,6 +126,11 @@ class AppWorldServer:
             "APPWORLD_ROOT": root,
         }
         (self.home / "tmp").mkdir()
+        self.outputs.mkdir()
+        # Hidden from the policy's code: every task's ground truth, the root's experiment outputs, and the other
+        # servers' homes (this worker's folder; in a pool, all workers' folders, which lie side by side).
+        others = scratch.parent if os.environ.get("CANOPY_SCRATCH_ROOT") else scratch
+        hidden = [others, Path(root) / "experiments", *Path(root).glob("data/tasks/*/ground_truth")]
         with open(self.log, "wb") as log:
             server = [
                 python,
@@ -123,7 +143,7 @@ class AppWorldServer:
                 "warning",
             ]
             self.process = subprocess.Popen(
-                confined(server, writable=[self.home, root]),  # AppWorld opens its databases under root read-write
+                confined(server, writable=[self.home], hidden=[p for p in hidden if p.is_dir()], shown=[root]),
                 cwd=root,
                 env=env,
                 stdin=subprocess.DEVNULL,
@@ -191,14 +211,16 @@ class AppWorldServer:
 class AppWorldEpisode:
     def __init__(self, env: "AppWorldEnvironment", task: Task, seed: int):
         self.env, self.task = env, task
-        self.experiment = f"canopy-{uuid.uuid4().hex}"
         self.server = env.server()
+        # An absolute experiment name puts the world's outputs in the server's home (AppWorld joins it to its root).
+        self.experiment = str(self.server.outputs / f"canopy-{uuid.uuid4().hex}")
         self.info = self.server.call(
             "initialize",
             task_id=task.task_id,
             experiment_name=self.experiment,
             random_seed=seed,
             timeout_seconds=env.cell_timeout_s,
+            load_ground_truth=False,  # the world the policy's code runs in never holds the answer
         )  # instruction, supervisor
         self.server.world = (task.task_id, self.experiment)
         self.closed = False
@@ -242,9 +264,9 @@ class AppWorldEpisode:
         return StepResult(output[: self.env.max_observation_chars], done=bool(done))
 
     def verdict(self) -> Verdict:
+        """AppWorld's evaluation, by the grader, of this world's end state as AppWorld saved it after the last step."""
         self._check_identity()
-        report = self.server.call("evaluate", task_id=self.task.task_id, suppress_errors=True)
-        return Verdict(passed=len(report["passes"]), total=report["num_tests"])
+        return self.env.grader().grade(self.task.task_id, Path(self.experiment) / "tasks" / self.task.task_id / "dbs")
 
     def close(self) -> None:
         if self.closed:
@@ -256,7 +278,81 @@ class AppWorldEpisode:
                 self.server.world = None
             except EnvironmentFault:
                 self.env.discard_server()
-        shutil.rmtree(Path(self.env.root) / "experiments" / "outputs" / self.experiment, ignore_errors=True)
+        shutil.rmtree(self.experiment, ignore_errors=True)
+
+
+GRADER = """
+import json, os, sys
+from appworld.apps.model_lib import CachedDBHandler
+from appworld.evaluator import evaluate_task
+from appworld.task import Task
+
+reply, sys.stdout = sys.stdout, sys.stderr  # only replies go to stdout
+for line in sys.stdin:
+    request = json.loads(line)
+    try:
+        tracker = evaluate_task(request["task_id"], request["experiment"], suppress_errors=True, save_report=False)
+        answer = {"passed": len(tracker.passes), "total": tracker.num_tests}
+    except Exception as error:  # an end state AppWorld cannot load: the policy's code wrote it
+        total = len(Task.load(task_id=request["task_id"]).ground_truth.test_data)
+        answer = {"passed": 0, "total": total, "error": f"{type(error).__name__}: {error}"}
+    CachedDBHandler.reset()
+    reply.write(json.dumps(answer) + "\\n")
+    reply.flush()
+"""
+
+
+class AppWorldGrader:
+    """AppWorld's evaluator (`appworld.evaluator.evaluate_task`) in a process of its own that runs no policy code:
+    it reads the task's ground truth and start state from the data root, and a world's end state from a copy that
+    `grade` takes out of the world server's home (what the policy's code could write)."""
+
+    def __init__(self, python: str, root: str, timeout_s: float):
+        scratch = Path(os.environ.get("CANOPY_SCRATCH_ROOT") or tempfile.gettempdir())
+        self.home, self.timeout_s = Path(tempfile.mkdtemp(prefix="appworld-grader-", dir=scratch)), timeout_s
+        env = {**os.environ, **private_home(self.home / "home"), "TMPDIR": str(self.home), "APPWORLD_ROOT": root}
+        with open(self.home / "grader.log", "wb") as log:
+            self.process = subprocess.Popen(
+                confined([python, "-c", GRADER], writable=[self.home]),
+                cwd=root,
+                env=env,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=log,
+                text=True,
+            )
+
+    def grade(self, task_id: str, end_state: Path) -> Verdict:
+        """The verdict on `end_state` (a world's saved databases); symlinks in it are not followed."""
+        copy = self.home / uuid.uuid4().hex
+        try:
+            if os.path.realpath(end_state) == str(end_state) and end_state.is_dir():
+                skip_links = lambda folder, names: [n for n in names if os.path.islink(os.path.join(folder, n))]  # noqa: E731
+                shutil.copytree(end_state, copy / "tasks" / task_id / "dbs", symlinks=True, ignore=skip_links)
+        except (OSError, shutil.Error):
+            pass  # an end state that cannot be copied (a named pipe...) is graded as missing
+        try:
+            self.process.stdin.write(json.dumps({"task_id": task_id, "experiment": str(copy)}) + "\n")
+            self.process.stdin.flush()
+            ready, _, _ = select.select([self.process.stdout], [], [], self.timeout_s)
+            line = self.process.stdout.readline() if ready else ""
+        except (BrokenPipeError, ValueError):
+            line = ""
+        finally:
+            shutil.rmtree(copy, ignore_errors=True)
+        if not line:
+            log = (self.home / "grader.log").read_text(errors="replace")
+            kept = keep_fault_log(self.home / "grader.log", f"{self.home.name}.log")
+            raise EnvironmentFault(
+                "appworld_grader_failed", f"no verdict for {task_id}: {last_line(log)} (log: {kept})"
+            )
+        answer = json.loads(line)
+        return Verdict(passed=answer["passed"], total=answer["total"], outcome=answer.get("error", ""))
+
+    def stop(self) -> None:
+        self.process.kill()
+        self.process.wait()
+        shutil.rmtree(self.home, ignore_errors=True)
 
 
 class AppWorldEnvironment:
@@ -281,6 +377,7 @@ class AppWorldEnvironment:
         )
         self.max_observation_chars = max_observation_chars
         self.live: AppWorldServer | None = None
+        self.judge: AppWorldGrader | None = None
         code = "import json; from appworld.apps import APP_TO_DESCRIPTION as d; print(json.dumps(d))"
         out = subprocess.run(
             [self.python, "-c", code], capture_output=True, text=True, check=True, timeout=start_timeout_s
@@ -307,6 +404,15 @@ class AppWorldEnvironment:
         if self.live is None:
             self.live = AppWorldServer(self.python, self.root, self.start_timeout_s, self.request_timeout_s)
         return self.live
+
+    def grader(self) -> AppWorldGrader:
+        """The process's grader, started (or restarted) when it is missing or has exited."""
+        if self.judge is not None and self.judge.process.poll() is not None:
+            self.judge.stop()
+            self.judge = None
+        if self.judge is None:
+            self.judge = AppWorldGrader(self.python, self.root, self.request_timeout_s)
+        return self.judge
 
     def discard_server(self) -> None:
         if self.live is not None:

@@ -235,11 +235,18 @@ def _run_sandboxed(code: str, scratch: Path, limits: SandboxLimits) -> ExecResul
     return ExecResult(_status(returncode, timed_out), text, None if timed_out else returncode)
 
 
-def confined(command: list[str], writable: list[str | Path]) -> list[str]:
-    """`command` wrapped so that it runs with no network, writes only beneath `writable` (and /dev/null), and
-    dies with this process: for servers that run the policy's code themselves (AppWorld's)."""
-    paths = json.dumps([str(path) for path in writable])
-    return [sys.executable, "-I", "-S", str(RUNNER), "--exec", paths, str(os.getpid()), "--", *command]
+def confined(
+    command: list[str], writable: list[str | Path], hidden: list[str | Path] = (), shown: list[str | Path] = ()
+) -> list[str]:
+    """`command` wrapped so that it runs with no network and no capabilities, writes only beneath `writable` (and
+    /dev/null), sees each `hidden` path as an empty read-only folder (`writable` and `shown` paths beneath one stay
+    as they are), and dies with this process: for servers that run the policy's code themselves (AppWorld's)."""
+    paths = lambda paths: [str(path) for path in paths]  # noqa: E731
+    view = json.dumps({"hidden": paths(hidden), "shown": paths(shown)})
+    return [
+        *(sys.executable, "-I", "-S", str(RUNNER), "--exec", json.dumps(paths(writable)), view, str(os.getpid())),
+        *("--", *command),
+    ]
 
 
 def _status(returncode: int, timed_out: bool) -> str:

@@ -1,8 +1,9 @@
 """Runs one action's Python code inside the sandbox; started by `canopy.envs.sandbox` as
 `python -I -S sandbox_runner.py SCRATCH LIMITS_JSON` with the code on stdin. Standard library only.
-`python -I -S sandbox_runner.py --exec WRITABLE_JSON PARENT_PID -- COMMAND...` instead confines a long-lived
-server that runs the policy's code itself (AppWorld's): no network, writes only beneath WRITABLE, dies with
-its parent, then execs COMMAND.
+`python -I -S sandbox_runner.py --exec WRITABLE_JSON VIEW_JSON PARENT_PID -- COMMAND...` instead confines a
+long-lived server that runs the policy's code itself (AppWorld's): no network, writes only beneath WRITABLE, each
+path VIEW names "hidden" an empty read-only folder (a mount namespace of its own; WRITABLE and "shown" paths beneath
+one stay; then no capabilities either), dies with its parent, then execs COMMAND.
 
 Before the code runs, the process confines itself, in this order: its own network namespace (no network),
 resource limits (CPU seconds, address space, file size, processes, no core dumps), an unprivileged user of
@@ -24,8 +25,9 @@ import traceback
 
 EXIT_SETUP, EXIT_MEMORY, EXIT_PROCESSES = 70, 75, 76
 
-CLONE_NEWUSER, CLONE_NEWNET = 0x10000000, 0x40000000
-PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS = 1, 38
+CLONE_NEWNS, CLONE_NEWUSER, CLONE_NEWNET = 0x00020000, 0x10000000, 0x40000000
+MS_RDONLY, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 1, 32, 4096, 16384, 1 << 18
+PR_SET_PDEATHSIG, PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS = 1, 24, 38
 SYS_LANDLOCK_CREATE_RULESET, SYS_LANDLOCK_ADD_RULE, SYS_LANDLOCK_RESTRICT_SELF = 444, 445, 446
 LANDLOCK_RULE_PATH_BENEATH = 1
 # Landlock filesystem rights that create, change or remove files (ABI 1; REFER from 2; TRUNCATE from 3).
@@ -131,12 +133,48 @@ def restrict_writes(*writable: str) -> None:
     os.close(ruleset)
 
 
-def confine_and_exec(writable: list[str], parent_pid: int, command: list[str]) -> None:
+def _mount(source, target: str, fstype, flags: int, options) -> None:
+    encode = lambda text: text.encode() if text is not None else None  # noqa: E731
+    _check(libc.mount(encode(source), encode(target), encode(fstype), flags, encode(options)), f"mount {target}")
+
+
+def hide(hidden: list[str], keep: list[str]) -> None:
+    """In a mount namespace of our own, each `hidden` path becomes an empty read-only folder; `keep` paths beneath
+    one are bound back in place. Shallower paths are hidden first, so a hidden path may lie inside a kept one."""
+    _check(libc.unshare(CLONE_NEWNS), "unshare(CLONE_NEWNS)")
+    _mount(None, "/", None, MS_REC | MS_PRIVATE, None)  # nothing we mount reaches the parent's namespace
+    kept = {path: os.open(path, os.O_PATH | os.O_CLOEXEC) for path in keep}
+    for path in sorted(hidden, key=lambda p: p.count("/")):
+        _mount("tmpfs", path, "tmpfs", 0, "size=64k,mode=0755")
+        for inner, fd in kept.items():
+            if inner.startswith(path.rstrip("/") + "/"):
+                os.makedirs(inner)
+                _mount(f"/proc/self/fd/{fd}", inner, None, MS_BIND | MS_REC, None)
+        _mount(None, path, None, MS_REMOUNT | MS_RDONLY, None)
+    for fd in kept.values():
+        os.close(fd)
+    os.chdir(os.getcwd())  # the working folder as the new mounts show it (relative paths would see the old one)
+
+
+def drop_capabilities() -> None:
+    """Empty the bounding set, so the exec'd command has no capabilities even as root (no setns back out of the
+    mount namespace, no ptrace, no reading past file permissions)."""
+    with open("/proc/sys/kernel/cap_last_cap") as f:
+        last = int(f.read())
+    for capability in range(last + 1):
+        _check(libc.prctl(PR_CAPBSET_DROP, capability, 0, 0, 0), f"prctl(PR_CAPBSET_DROP, {capability})")
+
+
+def confine_and_exec(writable: list[str], view: dict, parent_pid: int, command: list[str]) -> None:
     try:
         isolate_network()
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
         die_with_parent(parent_pid)
+        if view["hidden"]:
+            hide(view["hidden"], keep=writable + view["shown"])
         restrict_writes(*writable)
+        if view["hidden"]:
+            drop_capabilities()  # no setns back out of the mount namespace
     except OSError as error:
         print(f"sandbox setup failed: {error}", file=sys.stderr)
         os._exit(EXIT_SETUP)
@@ -145,7 +183,7 @@ def confine_and_exec(writable: list[str], parent_pid: int, command: list[str]) -
 
 def main() -> None:
     if sys.argv[1] == "--exec":
-        return confine_and_exec(json.loads(sys.argv[2]), int(sys.argv[3]), sys.argv[5:])
+        return confine_and_exec(json.loads(sys.argv[2]), json.loads(sys.argv[3]), int(sys.argv[4]), sys.argv[6:])
     scratch, limits = sys.argv[1], json.loads(sys.argv[2])
     code = sys.stdin.read()
     try:
