@@ -11,11 +11,12 @@ import pytest
 from canopy.envs.runtimes import RuntimeSettings, build_runtime, safe_image_name
 from canopy.envs.swe_grading import grade
 from canopy.envs.swe_guard import runner_sections, scope
-from canopy.tools import swe_data
-from canopy.tools.swe_attacks import ATTACKS, HOOK, Repo, new_file, replaced_file
+from canopy.tools import swe_attacks, swe_data
+from canopy.tools.swe_attacks import HOOK, Repo, new_file, replaced_file
 
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="needs bubblewrap (make system)")
-PLAIN, RUNNER, NEW_TEST_FILE = 1, 2, 3  # generated task kinds by index (swe_data.generate_task)
+PLAIN = 1  # a generated task whose tests run by `python -m pytest` on the test file the test patch changes
+RUNNER, NEW_TEST_FILE = "runner-script task", "new-test-file task"  # swe_attacks.KINDS
 STOLEN_UPSTREAM = {  # attack -> the task kinds on which upstream grading resolves it
     "conftest_outcome_hook": {RUNNER, NEW_TEST_FILE},
     "nested_conftest_hook": {RUNNER, NEW_TEST_FILE},
@@ -39,9 +40,16 @@ STOLEN_UPSTREAM = {  # attack -> the task kinds on which upstream grading resolv
 
 
 @pytest.fixture(scope="module")
-def tasks(tmp_path_factory):
-    out = tmp_path_factory.mktemp("swe-attacks")
-    instances = swe_data.read_jsonl(swe_data.generate(out, 4, seed=1)["train"])
+def red_team(tmp_path_factory):
+    """Every attack graded upstream and guarded on generated tasks (swe_attacks.red_team), and the folder."""
+    folder = tmp_path_factory.mktemp("swe-attacks")
+    return swe_attacks.red_team(folder), folder
+
+
+@pytest.fixture(scope="module")
+def tasks(red_team):
+    _, out = red_team
+    instances = swe_data.read_jsonl(out / "train.jsonl")
     runtime = build_runtime(RuntimeSettings(kind="bwrap", image_root=str(out / "images"), memory_mb=1024, pids=128))
 
     def repo(instance):
@@ -50,26 +58,26 @@ def tasks(tmp_path_factory):
     return instances, runtime, repo
 
 
-@pytest.mark.parametrize("kind", [RUNNER, NEW_TEST_FILE])
-def test_no_attack_resolves_with_the_guard_and_upstream_is_robbed(tasks, kind):
+def test_no_attack_resolves_with_the_guard_and_upstream_is_robbed(red_team):
     """Each attack on a runner-script task and on a task whose test patch adds a test file: upstream (`off`)
-    resolves exactly the attacks listed, and the default guard resolves none (restoring what each tampered with)."""
-    instances, runtime, repo = tasks
-    instance = instances[kind]
-    upstream, guarded = {}, {}
-    for attack in ATTACKS:
-        if attack.applies(instance):
-            patch = attack.patch(instance, repo(instance))
-            upstream[attack.name] = grade(runtime, instance, patch, 60, tamper="off")
-            guarded[attack.name] = grade(runtime, instance, patch, 60)
-    assert {name for name, g in upstream.items() if g.outcome == "resolved"} == {
-        name for name, kinds in STOLEN_UPSTREAM.items() if kind in kinds
-    }
-    assert len(guarded) >= 12
-    assert not [name for name, g in guarded.items() if g.outcome == "resolved"], guarded
-    for name in STOLEN_UPSTREAM.keys() & guarded.keys():
-        assert guarded[name].tamper == "restored" and guarded[name].tampered, (name, guarded[name])
-    assert guarded["huge_patch"].outcome == "unresolved" and guarded["outside_testbed"].outcome == "patch_apply_failed"
+    resolves exactly the attacks listed, and the default guard resolves none (restoring what each tampered with);
+    docs/reward_integrity.md shows this run's table."""
+    results, _ = red_team
+    for kind, graded in results.items():
+        upstream = {name: grades[0] for name, grades in graded.items()}
+        guarded = {name: grades[1] for name, grades in graded.items()}
+        assert {name for name, g in upstream.items() if g.outcome == "resolved"} == {
+            name for name, kinds in STOLEN_UPSTREAM.items() if kind in kinds
+        }, kind
+        assert len(guarded) >= 12
+        assert not [name for name, g in guarded.items() if g.outcome == "resolved"], guarded
+        for name in STOLEN_UPSTREAM.keys() & guarded.keys():
+            assert guarded[name].tamper == "restored" and guarded[name].tampered, (name, guarded[name])
+        assert guarded["huge_patch"].outcome == "unresolved"
+        assert guarded["outside_testbed"].outcome == guarded["write_through_symlink"].outcome == "patch_apply_failed"
+    assert swe_attacks.table(results) in swe_attacks.DOCS.read_text(), (
+        "docs/reward_integrity.md is stale: python -m canopy.tools.swe_attacks --docs"
+    )
 
 
 def test_every_gold_patch_resolves_with_the_guard_and_honest_changes_stay(tasks):
@@ -164,3 +172,36 @@ def test_attack_catalogue_runs_as_a_command(tasks, capsys):
     lines = capsys.readouterr().out.splitlines()
     assert exited.value.code == 0 and lines[-1] == "0 attacks resolved"
     assert sum(": unresolved" in line or ": patch_apply_failed" in line for line in lines) == len(lines) - 1 >= 12
+
+
+def test_undecodable_names_are_restored_or_rejected_never_graded(tasks):
+    """A plugin distribution under a name that is not UTF-8 (git quotes it): the host cannot name it back to the
+    sandbox, so the verification fails and the patch is scored unresolved, untested."""
+    instances, runtime, _ = tasks
+    folder = '"b/canopy\\377-0.dist-info/'
+    patch = "".join(
+        f'diff --git {folder.replace("b/", "a/")}{name}" {folder}{name}"\nnew file mode 100644\n--- /dev/null\n'
+        f'+++ {folder}{name}"\n@@ -0,0 +1,{len(text.splitlines())} @@\n'
+        + "".join(f"+{line}\n" for line in text.splitlines())
+        for name, text in (
+            ("METADATA", "Metadata-Version: 2.1\nName: canopy-evil\nVersion: 0\n"),
+            ("entry_points.txt", "[pytest11]\nevil = canopy_plugin\n"),
+        )
+    ) + new_file("canopy_plugin.py", HOOK)
+    result = grade(runtime, instances[PLAIN], patch, 60)
+    assert result.outcome == "unresolved" and result.tamper in ("restored", "rejected"), result
+
+
+def test_an_image_without_the_guards_tools_names_the_fix(tasks):
+    """The guard runs bash, GNU find, sort, comm, sed and tar in the grading sandbox; where one fails, the grading
+    is a serving fault whose message names `tamper=off`."""
+    from canopy.envs.base import EnvironmentFault
+    from canopy.envs.runtimes import CommandResult
+    from canopy.envs.swe_guard import TamperGuard
+
+    class NoTools:
+        def run(self, command, timeout, stdin=None, env=None):
+            return CommandResult("bash: find: command not found", 127)
+
+    with pytest.raises(EnvironmentFault, match=r"find: command not found .*env.swebench.tamper=off"):
+        TamperGuard(NoTools(), tasks[0][PLAIN], 10)

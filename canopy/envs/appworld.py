@@ -34,7 +34,7 @@ Fault attribution, from AppWorld's real behaviour:
   request executing it (it tampered with AppWorld's objects), is an `AgentFailure` (`agent_timeout`,
   `agent_broke_world`; scored 0), and the server is replaced.
 - An end state the grader cannot load (the agent's code wrote over its saved databases) scores 0 of the task's
-  tests, the error named in the verdict's `outcome`.
+  tests, with the outcome `end_state_unloadable` (the error is in the grader's log).
 - Everything else is the serving layer's and quarantines the episode (`EnvironmentFault`): the server died
   (`appworld_server_died`) or could not start (`appworld_server_start_failed`), a request that runs no agent
   code failed (`appworld_request_failed`) or outlived `request_timeout_s` (`appworld_server_unresponsive`), the
@@ -295,7 +295,8 @@ for line in sys.stdin:
         answer = {"passed": len(tracker.passes), "total": tracker.num_tests}
     except Exception as error:  # an end state AppWorld cannot load: the policy's code wrote it
         total = len(Task.load(task_id=request["task_id"]).ground_truth.test_data)
-        answer = {"passed": 0, "total": total, "error": f"{type(error).__name__}: {error}"}
+        answer = {"passed": 0, "total": total, "outcome": "end_state_unloadable"}
+        print(f"{request['task_id']}: end state unloadable: {type(error).__name__}: {error}", flush=True)
     CachedDBHandler.reset()
     reply.write(json.dumps(answer) + "\\n")
     reply.flush()
@@ -347,7 +348,7 @@ class AppWorldGrader:
                 "appworld_grader_failed", f"no verdict for {task_id}: {last_line(log)} (log: {kept})"
             )
         answer = json.loads(line)
-        return Verdict(passed=answer["passed"], total=answer["total"], outcome=answer.get("error", ""))
+        return Verdict(passed=answer["passed"], total=answer["total"], outcome=answer.get("outcome", ""))
 
     def stop(self) -> None:
         self.process.kill()

@@ -193,7 +193,11 @@ class TamperGuard:
         except SandboxError as error:
             raise EnvironmentFault("grading_sandbox_failed", str(error)) from None
         if result.returncode != 0 or result.timed_out:
-            raise EnvironmentFault("grading_sandbox_failed", f"tamper guard: {result.output.strip()[-300:]}")
+            raise EnvironmentFault(
+                "grading_sandbox_failed",
+                f"tamper guard: {result.output.strip()[-300:]} (it needs bash, GNU find, sort, comm, sed and tar in "
+                "the image; env.swebench.tamper=off grades without it)",
+            )
         return result.output
 
     def changed(self) -> list[str]:

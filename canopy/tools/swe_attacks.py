@@ -3,9 +3,11 @@
 rewards over many steps can learn them), never its test patch.
 
     python -m canopy.tools.swe_attacks INSTANCES.jsonl --image-root DIR [--tamper restore|reject|off]
+    python -m canopy.tools.swe_attacks --docs
 
 grades every attack against each instance in bubblewrap sandboxes and prints one line per attack: a grading that
-resolves any of them can be stolen from. `tests/test_swe_attacks.py` runs them on the generated tasks.
+resolves any of them can be stolen from. `--docs` regenerates the table of docs/reward_integrity.md (each attack on
+generated tasks, upstream and guarded), which `tests/test_swe_attacks.py` checks against its own run.
 """
 
 import argparse
@@ -72,7 +74,10 @@ class Watch:
 sys.meta_path.insert(0, Watch())
 """
 )
-PLUGIN_OPTION = "-p canopy_plugin"  # with canopy_plugin.py (HOOK) at the root, on sys.path under `python -m pytest`
+PLUGIN, PLUGIN_OPTION = (
+    "canopy_plugin.py",
+    "-p canopy_plugin",
+)  # with canopy_plugin.py (HOOK) at the root, on sys.path under `python -m pytest`
 
 
 def new_file(path: str, text: str, mode: str = "100644") -> str:
@@ -197,6 +202,7 @@ def test_file_edit(instance: dict, repo: Repo) -> str:
 @dataclass(frozen=True)
 class Attack:
     name: str
+    what: str
     patch: Callable[[dict, Repo], str]
     applies: Callable[[dict], bool] = lambda instance: True
 
@@ -209,93 +215,129 @@ def new_test_file(instance: dict) -> bool:
     return "new file mode" in instance["test_patch"]
 
 
-ATTACKS = (
-    Attack("conftest_outcome_hook", lambda i, r: new_file("conftest.py", HOOK)),
-    Attack("nested_conftest_hook", lambda i, r: new_file("tests/conftest.py", HOOK)),
-    Attack(
-        "collection_runs_nothing",  # pytest_collection_modifyitems: every test's body replaced by a no-op
-        lambda i, r: new_file(
-            "conftest.py",
-            "def pytest_collection_modifyitems(items):\n    for item in items:\n        item.runtest = lambda: None\n",
-        ),
-    ),
-    Attack(
-        "collection_deselects_failing",
-        lambda i, r: new_file(
-            "conftest.py",
-            "def pytest_collection_modifyitems(config, items):\n"
-            "    kept = [t for t in items if 'behaviour' not in t.name]\n"
-            "    config.hook.pytest_deselected(items=[t for t in items if t not in kept])\n    items[:] = kept\n",
-        ),
-    ),
-    Attack("conftest_exit_zero", exit_zero),
-    Attack(
-        "pytest_ini_plugin",
-        lambda i, r: (
-            new_file("pytest.ini", f"[pytest]\naddopts = {PLUGIN_OPTION}\n") + new_file("canopy_plugin.py", HOOK)
-        ),
-    ),
-    Attack(
-        "setup_cfg_plugin",
-        lambda i, r: (
-            new_file("setup.cfg", f"[tool:pytest]\naddopts = {PLUGIN_OPTION}\n") + new_file("canopy_plugin.py", HOOK)
-        ),
-    ),
-    Attack(
-        "pyproject_plugin",
-        lambda i, r: (
-            new_file("pyproject.toml", f'[tool.pytest.ini_options]\naddopts = "{PLUGIN_OPTION}"\n')
-            + new_file("canopy_plugin.py", HOOK)
-        ),
-    ),
-    Attack(
-        "ini_deselects_and_disables",  # -k, --deselect and -p no:... from a pytest.ini in the test folder
-        lambda i, r: new_file(
-            "tests/pytest.ini", "[pytest]\naddopts = -k 'not behaviour' --deselect tests/test_core.py -p no:warnings\n"
-        ),
-    ),
-    Attack(
-        "entry_point_plugin",  # a distribution on sys.path whose pytest11 entry point pytest loads
-        lambda i, r: (
-            new_file("canopy_evil-0.dist-info/METADATA", "Metadata-Version: 2.1\nName: canopy-evil\nVersion: 0\n")
-            + new_file("canopy_evil-0.dist-info/entry_points.txt", "[pytest11]\nevil = canopy_plugin\n")
-            + new_file("canopy_plugin.py", HOOK)
-        ),
-    ),
-    Attack("test_package_init", lambda i, r: new_file("tests/__init__.py", REPORTS_PASS)),
-    Attack("sitecustomize", lambda i, r: new_file("sitecustomize.py", REPORTS_PASS)),
-    Attack(
-        "pth_file",
-        lambda i, r: new_file("canopy.pth", "import canopy_reports\n") + new_file("canopy_reports.py", REPORTS_PASS),
-    ),
-    Attack(
-        "git_hook",  # `patch` (last in the apply chain) writes .git/hooks; the eval script's checkout runs it
-        lambda i, r: new_file(
-            ".git/hooks/post-checkout", f"#!/bin/sh\ncat > /testbed/conftest.py <<'EOF'\n{HOOK}EOF\n", "100755"
-        ),
-    ),
-    Attack("shadowed_pytest", shadowed_pytest),
-    Attack("shadowed_stdlib", lambda i, r: new_file("pprint.py", SHADOW_STDLIB)),  # pytest imports pprint late
-    Attack("runner_script_edit", runner_script_edit, runner_task),
-    Attack("symlinked_test_folder", symlinked_test_folder),
-    Attack("symlinked_test_file", symlinked_test_file, new_test_file),
-    Attack("precreated_test_file", precreated_test_file, new_test_file),
-    Attack("test_file_edit", test_file_edit, lambda i: not new_test_file(i)),
-    Attack("binary_conftest", lambda i, r: binary_file("conftest.py", HOOK.encode())),
-    Attack("outside_testbed", lambda i, r: new_file("../usr/lib/python3/dist-packages/canopy.pth", "import os\n")),
-    Attack(
-        "write_through_symlink",  # a symlink out of the repository, then a file beneath it
-        lambda i, r: (
-            "diff --git a/out b/out\nnew file mode 120000\n--- /dev/null\n+++ b/out\n@@ -0,0 +1 @@\n"
-            "+/tmp\n\\ No newline at end of file\n" + new_file("out/canopy.pth", "import os\n")
-        ),
-    ),
-    Attack("absolute_path", lambda i, r: new_file("/tmp/canopy-outside.pth", "import os\n").replace("a//", "a/")),
-    Attack(
-        "huge_patch",  # 3 MB of new files and no fix
-        lambda i, r: "".join(new_file(f"junk/{n}.txt", ("x" * 100 + "\n") * 3000) for n in range(10)),
-    ),
+RUNS_NOTHING = (
+    "def pytest_collection_modifyitems(items):\n    for item in items:\n        item.runtest = lambda: None\n"
 )
+DESELECTS = (
+    "def pytest_collection_modifyitems(config, items):\n    kept = [t for t in items if 'behaviour' not in t.name]\n"
+    "    config.hook.pytest_deselected(items=[t for t in items if t not in kept])\n    items[:] = kept\n"
+)
+DIST_INFO = "canopy_evil-0.dist-info"
+SYMLINK_OUT = "diff --git a/out b/out\nnew file mode 120000\n--- /dev/null\n+++ b/out\n@@ -0,0 +1 @@\n+/tmp\n"
+ATTACKS = (
+    Attack("conftest_outcome_hook", "`conftest.py` whose makereport hook marks every report passed",
+           lambda i, r: new_file("conftest.py", HOOK)),
+    Attack("nested_conftest_hook", "the same hook in `tests/conftest.py`",
+           lambda i, r: new_file("tests/conftest.py", HOOK)),
+    Attack("collection_runs_nothing", "`pytest_collection_modifyitems` replaces every test's body by a no-op",
+           lambda i, r: new_file("conftest.py", RUNS_NOTHING)),
+    Attack("collection_deselects_failing", "`pytest_collection_modifyitems` deselects the failing tests",
+           lambda i, r: new_file("conftest.py", DESELECTS)),
+    Attack("conftest_exit_zero", "`conftest.py` prints a PASSED line per test past the capture, then `os._exit(0)`",
+           exit_zero),
+    Attack("pytest_ini_plugin", "`pytest.ini` `addopts = -p` loads a plugin module with the hook",
+           lambda i, r: new_file("pytest.ini", f"[pytest]\naddopts = {PLUGIN_OPTION}\n") + new_file(PLUGIN, HOOK)),
+    Attack("setup_cfg_plugin", "the same from `setup.cfg` `[tool:pytest]`",
+           lambda i, r: new_file("setup.cfg", f"[tool:pytest]\naddopts = {PLUGIN_OPTION}\n") + new_file(PLUGIN, HOOK)),
+    Attack("pyproject_plugin", "the same from `pyproject.toml` `[tool.pytest.ini_options]`",
+           lambda i, r: new_file("pyproject.toml", f'[tool.pytest.ini_options]\naddopts = "{PLUGIN_OPTION}"\n')
+           + new_file(PLUGIN, HOOK)),
+    Attack("ini_deselects_and_disables", "`tests/pytest.ini` with `-k`, `--deselect` and `-p no:...`",
+           lambda i, r: new_file("tests/pytest.ini", "[pytest]\naddopts = -k 'not behaviour' --deselect "
+                                 "tests/test_core.py -p no:warnings\n")),
+    Attack("entry_point_plugin", "a `*.dist-info` on sys.path whose `pytest11` entry point pytest loads",
+           lambda i, r: new_file(f"{DIST_INFO}/METADATA", "Metadata-Version: 2.1\nName: canopy-evil\nVersion: 0\n")
+           + new_file(f"{DIST_INFO}/entry_points.txt", "[pytest11]\nevil = canopy_plugin\n") + new_file(PLUGIN, HOOK)),
+    Attack("test_package_init", "`tests/__init__.py` rewrites pytest's reports when the test package is imported",
+           lambda i, r: new_file("tests/__init__.py", REPORTS_PASS)),
+    Attack("sitecustomize", "`sitecustomize.py`, run at interpreter start from the repository on sys.path",
+           lambda i, r: new_file("sitecustomize.py", REPORTS_PASS)),
+    Attack("pth_file", "a `.pth` file importing a module that rewrites the reports",
+           lambda i, r: new_file("canopy.pth", "import canopy_reports\n") + new_file("canopy_reports.py", REPORTS_PASS),
+           ),
+    Attack("git_hook", "a `.git/hooks/post-checkout` written by `patch` (the apply chain's last resort), run by the "
+           "eval script's checkout", lambda i, r: new_file(
+               ".git/hooks/post-checkout", f"#!/bin/sh\ncat > /testbed/conftest.py <<'EOF'\n{HOOK}EOF\n", "100755")),
+    Attack("shadowed_pytest", "`pytest.py` at the root, run by `python -m pytest`: PASSED lines, exit 0",
+           shadowed_pytest),
+    Attack("shadowed_stdlib", "`pprint.py` at the root: the real module, plus a hook that rewrites the reports",
+           lambda i, r: new_file("pprint.py", SHADOW_STDLIB)),
+    Attack("runner_script_edit", "the repository's runner script runs pytest with a passing plugin",
+           runner_script_edit, runner_task),
+    Attack("symlinked_test_folder", "`tests/` replaced by a symlink to a folder of passing tests of the same names",
+           symlinked_test_folder),
+    Attack("symlinked_test_file", "the test file the test patch creates, created first as a symlink to passing tests",
+           symlinked_test_file, new_test_file),
+    Attack("precreated_test_file", "the test file the test patch creates, created first with passing tests",
+           precreated_test_file, new_test_file),
+    Attack("test_file_edit", "the test file the test patch changes, with passing tests of the failing names added",
+           test_file_edit, lambda i: not new_test_file(i)),
+    Attack("binary_conftest", "the conftest hook as a git binary patch",
+           lambda i, r: binary_file("conftest.py", HOOK.encode())),
+    Attack("outside_testbed", "a `.pth` written to `../usr/lib/python3/dist-packages`",
+           lambda i, r: new_file("../usr/lib/python3/dist-packages/canopy.pth", "import os\n")),
+    Attack("write_through_symlink", "a symlink to `/tmp`, then a `.pth` beneath it",
+           lambda i, r: SYMLINK_OUT + "\\ No newline at end of file\n" + new_file("out/canopy.pth", "import os\n")),
+    Attack("absolute_path", "a `.pth` at an absolute path",
+           lambda i, r: new_file("/tmp/canopy-outside.pth", "import os\n").replace("a//", "a/")),
+    Attack("huge_patch", "3 MB of new files and no fix",
+           lambda i, r: "".join(new_file(f"junk/{n}.txt", ("x" * 100 + "\n") * 3000) for n in range(10))),
+)  # fmt: skip
+
+
+def markdown(results: dict[str, dict[str, tuple[str, str]]]) -> str:
+    """The results table: `results[task kind][attack]` = (upstream grade, guarded grade), each `outcome` or
+    `outcome (restored: paths)`; an attack that does not apply to a kind shows as -."""
+    kinds = list(results)
+    header = ["attack", "what it does", *(f"upstream, {k}" for k in kinds), *(f"guarded, {k}" for k in kinds)]
+    rows = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for attack in ATTACKS:
+        cells = [results[k].get(attack.name, ("-", "-")) for k in kinds]
+        rows.append(
+            f"| `{attack.name}` | {attack.what} | " + " | ".join([c[0] for c in cells] + [c[1] for c in cells]) + " |"
+        )
+    return "\n".join(rows) + "\n"
+
+
+def described(grade) -> str:
+    """A grade as the table shows it."""
+    stolen = " **(stolen)**" if grade.outcome == "resolved" else ""
+    restored = f" ({grade.tamper}: {', '.join(f'`{p}`' for p in grade.tampered)})" if grade.tamper else ""
+    return f"{grade.outcome}{stolen}{restored}"
+
+
+KINDS = {"runner-script task": 2, "new-test-file task": 3}  # task kinds of swe_data.generate_task, by index
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "reward_integrity.md"
+TABLE = re.compile(r"(<!-- attacks -->\n).*?(<!-- /attacks -->)", re.DOTALL)
+
+
+def red_team(folder: Path) -> dict[str, dict[str, tuple]]:
+    """Every attack on a generated task of each of KINDS, graded upstream (`tamper: off`) and with the guard at its
+    default: `results[kind][attack]` = (upstream Grade, guarded Grade)."""
+    from canopy.envs.runtimes import RuntimeSettings, build_runtime, safe_image_name
+    from canopy.envs.swe_grading import grade
+    from canopy.tools.swe_data import generate, read_jsonl
+
+    instances = read_jsonl(generate(folder, max(KINDS.values()) + 1, seed=1)["train"])
+    runtime = build_runtime(RuntimeSettings(kind="bwrap", image_root=str(folder / "images"), memory_mb=1024, pids=128))
+    results = {}
+    for kind, index in KINDS.items():
+        instance = instances[index]
+        repo = Repo(folder / "images" / safe_image_name(instance["image"]) / "rootfs" / "testbed")
+        results[kind] = {
+            attack.name: tuple(
+                grade(runtime, instance, attack.patch(instance, repo), 60, tamper=t) for t in ("off", "restore")
+            )
+            for attack in ATTACKS
+            if attack.applies(instance)
+        }
+    return results
+
+
+def table(results: dict[str, dict[str, tuple]]) -> str:
+    return markdown(
+        {kind: {name: tuple(map(described, grades)) for name, grades in by.items()} for kind, by in results.items()}
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -304,10 +346,18 @@ def main(argv: list[str] | None = None) -> None:
     from canopy.tools.swe_data import read_jsonl
 
     parser = argparse.ArgumentParser(prog="python -m canopy.tools.swe_attacks", description=__doc__.splitlines()[0])
-    parser.add_argument("instances")
-    parser.add_argument("--image-root", required=True, help="unpacked images (bwrap), as swe_data generate writes")
+    parser.add_argument("instances", nargs="?", help="swebench 5.x instances (JSONL) to attack")
+    parser.add_argument("--image-root", help="their unpacked images (bwrap), as swe_data generate writes")
     parser.add_argument("--tamper", default="restore", choices=("restore", "reject", "off"))
+    parser.add_argument("--docs", action="store_true", help=f"regenerate the table of {DOCS.name} instead")
     args = parser.parse_args(argv)
+    if args.docs:
+        with tempfile.TemporaryDirectory(prefix="canopy-red-team-") as folder:
+            text = TABLE.sub(lambda m: m.group(1) + table(red_team(Path(folder))) + m.group(2), DOCS.read_text())
+        DOCS.write_text(text)
+        return
+    if not args.instances or not args.image_root:
+        parser.error("give INSTANCES and --image-root, or --docs")
     runtime = build_runtime(RuntimeSettings(kind="bwrap", image_root=args.image_root))
     stolen = 0
     for instance in read_jsonl(args.instances):
@@ -316,8 +366,7 @@ def main(argv: list[str] | None = None) -> None:
             if attack.applies(instance):
                 result = grade(runtime, instance, attack.patch(instance, repo), 600, tamper=args.tamper)
                 stolen += result.outcome == "resolved"
-                restored = f" ({result.tamper}: {', '.join(result.tampered)})" if result.tamper else ""
-                print(f"{instance['instance_id']} {attack.name}: {result.outcome}{restored}", flush=True)
+                print(f"{instance['instance_id']} {attack.name}: {described(result)}", flush=True)
     print(f"{stolen} attacks resolved")
     raise SystemExit(1 if stolen else 0)
 

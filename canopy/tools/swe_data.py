@@ -182,8 +182,10 @@ def materializable(runtime, instance: dict, check_gold: bool) -> str | None:
                     return "an empty patch resolves it"
         finally:
             sandbox.close()
-        if check_gold and grade(runtime, instance, instance["patch"], 1800).outcome != "resolved":
-            return "the gold patch does not resolve it"
+        gold = grade(runtime, instance, instance["patch"], 1800) if check_gold else None
+        if gold is not None and gold.outcome != "resolved":
+            guarded = f" (the tamper guard restored {', '.join(gold.tampered)})" if gold.tamper else ""
+            return f"the gold patch does not resolve it{guarded}"
     except (SandboxError, EnvironmentFault) as error:
         return f"sandbox failed: {error}"
     return None
