@@ -3,6 +3,7 @@ submit, graded by the real swebench grading in bubblewrap sandboxes. Upstream's 
 by most of them; with the tamper guard at its default none resolves, none crashes the grader, none is quarantined,
 and every gold patch still resolves."""
 
+import re
 import shutil
 from pathlib import Path
 
@@ -10,7 +11,7 @@ import pytest
 
 from canopy.envs.runtimes import RuntimeSettings, build_runtime, safe_image_name
 from canopy.envs.swe_grading import grade
-from canopy.envs.swe_guard import runner_sections, scope
+from canopy.envs.swe_guard import runner_sections, scope, shadowing
 from canopy.tools import swe_attacks, swe_data
 from canopy.tools.swe_attacks import HOOK, Repo, new_file, replaced_file
 
@@ -138,6 +139,9 @@ def test_guard_scope_follows_how_runners_find_their_configuration():
     }
     assert set(scope(sympy).runner) == {"bin/test", "sympy/core/tests/__init__.py"}  # not sympy/__init__.py: source
     assert "Makefile" in scope({"test_patch": "", "eval_script": "make test\n"}).runner
+    shadows = re.compile(shadowing(("xarray", "xarray/tests"))).fullmatch  # tests in xarray/tests/
+    assert all(shadows(p) for p in ("./pytest.py", "./pprint/__init__.py", "./src/json.py", "./pytest_x.py"))
+    assert shadows("./xarray/tests/types.py") and not shadows("./xarray/types.py")  # a package module is the fix's
 
 
 @pytest.mark.parametrize(

@@ -78,9 +78,11 @@ MODULE_FILE = r"(\.py|\.pyc|/__init__\.py|(\.[^/]*)?\.so)"
 
 def shadowing(folders: tuple[str, ...]) -> str:
     """A regex of the modules that would shadow the standard library or the test runner from the folders Python
-    searches first: the repository (`python -m`, an editable install), `src/`, and the test folders (pytest's
-    prepend import mode puts a test's first folder without `__init__.py` first on sys.path)."""
-    roots = "|".join(re.sub(r"([.^$*+?()\[\]{}|\\])", r"\\\1", folder) for folder in ("src", *folders))
+    searches first: the repository (`python -m`, an editable install), `src/`, and test-named folders above the
+    test files (pytest's prepend import mode puts a test's first folder without `__init__.py` first on sys.path;
+    a package folder above a test is not searched, and new modules there are the fix's own)."""
+    tests = [folder for folder in folders if TEST_FOLDER.match(PurePosixPath(folder).name)]
+    roots = "|".join(re.sub(r"([.^$*+?()\[\]{}|\\])", r"\\\1", folder) for folder in ("src", *tests))
     names = "|".join(SHADOWABLE)
     return rf"\./(({roots})/)?({names}|pytest_[^/]*){MODULE_FILE}"
 
