@@ -31,6 +31,7 @@ STOLEN_UPSTREAM = {  # attack -> the task kinds on which upstream grading resolv
     "sitecustomize": {RUNNER, NEW_TEST_FILE},
     "shadowed_pytest": {RUNNER, NEW_TEST_FILE},
     "shadowed_stdlib": {RUNNER, NEW_TEST_FILE},
+    "package_rewrites_reports": {RUNNER, NEW_TEST_FILE},
     "git_hook": {RUNNER},  # the hook runs on the eval script's checkout, which fails where the base lacks the file
     "runner_script_edit": {RUNNER},
     "symlinked_test_folder": {NEW_TEST_FILE},
@@ -71,9 +72,11 @@ def test_no_attack_resolves_with_the_guard_and_upstream_is_robbed(red_team):
             name for name, kinds in STOLEN_UPSTREAM.items() if kind in kinds
         }, kind
         assert len(guarded) >= 12
-        assert not [name for name, g in guarded.items() if g.outcome == "resolved"], guarded
-        for name in STOLEN_UPSTREAM.keys() & guarded.keys():
+        assert not [name for name, g in guarded.items() if g.outcome == "resolved" or g.passed == g.total], guarded
+        for name in STOLEN_UPSTREAM.keys() & guarded.keys() - {"package_rewrites_reports"}:
             assert guarded[name].tamper == "restored" and guarded[name].tampered, (name, guarded[name])
+        caught = guarded["package_rewrites_reports"]  # by the canary: no file was restored
+        assert (caught.tamper, caught.tampered) == ("rejected", ("(test run)",)), caught
         assert guarded["huge_patch"].outcome == "unresolved"
         assert guarded["outside_testbed"].outcome == guarded["write_through_symlink"].outcome == "patch_apply_failed"
     assert swe_attacks.table(results) in swe_attacks.DOCS.read_text(), (

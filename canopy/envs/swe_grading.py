@@ -24,7 +24,7 @@ from pathlib import Path
 
 from canopy.envs.base import EnvironmentFault
 from canopy.envs.runtimes import SandboxError
-from canopy.envs.swe_guard import TamperGuard
+from canopy.envs.swe_guard import TamperGuard, plant_canary
 
 SWEBENCH_VERSION = "5.0.2"
 PATCH_PATH = "/tmp/canopy-submission.patch"
@@ -123,6 +123,19 @@ def run_tests(sandbox, instance: dict, timeout: float) -> tuple[str, bool]:
     return result.output, result.timed_out
 
 
+def test_status(instance: dict, log: str) -> dict[str, str]:
+    """Test name -> status, by the instance's swebench log parser, from the eval log's test output."""
+    sb = swebench()
+    section = log.split(sb.constants.START_TEST_OUTPUT)[-1].split(sb.constants.END_TEST_OUTPUT)[0]
+    return sb.parsers[instance["log_parser"]](section, test_spec(instance))
+
+
+def canary_passed(instance: dict, log: str, name: str) -> bool:
+    """Whether the eval log reports the planted failing test `name` (swe_guard.plant_canary) as passed."""
+    passed = swebench().constants.TestStatus.PASSED.value
+    return any(test.rpartition("::")[2] == name and s == passed for test, s in test_status(instance, log).items())
+
+
 def score_log(instance: dict, log: str) -> tuple[int, int, bool]:
     """(passed, total, resolved) from an eval log, by swebench's parser, log checks and report."""
     sb = swebench()
@@ -173,7 +186,9 @@ def grade(
         if tampered and (tamper == "reject" or not guard.restore(list(tampered))):
             detail = "the patch changes how its tests run" + ("" if tamper == "reject" else " beyond restoring")
             return Grade("unresolved", 0, total, detail, "rejected", tampered)
-        log, timed_out = run_tests(sandbox, instance, timeout)
+        canary = plant_canary(instance) if guard is not None else None
+        planted = {**instance, "eval_script": canary.eval_script} if canary is not None else instance
+        log, timed_out = run_tests(sandbox, planted, timeout)
     except SandboxError as error:
         raise EnvironmentFault("grading_sandbox_failed", str(error)) from None
     finally:
@@ -181,8 +196,11 @@ def grade(
     signature = infra_failure(log)
     if signature is not None:
         raise EnvironmentFault("grading_infra_failure", f"{instance['instance_id']}: swebench signature {signature}")
-    passed, total, resolved = score_log(instance, log)
     restored = ("restored", tampered) if tampered else ()
-    if timed_out:
-        return Grade("unresolved", passed, total, f"tests ran past {timeout:.0f} s", *restored)
+    if timed_out:  # as swebench's harness, whose timed-out log parses as no tests run
+        return Grade("unresolved", 0, total, f"tests ran past {timeout:.0f} s", *restored)
+    passed, total, resolved = score_log(instance, log)
+    if canary is not None and canary_passed(instance, log, canary.name):
+        detail = "a planted failing test passed: the test run was tampered with"
+        return Grade("unresolved", 0, total, detail, "rejected", (*tampered, "(test run)"))
     return Grade("resolved" if resolved else "unresolved", passed, total, "", *restored)

@@ -430,7 +430,7 @@ def generate_task(out: Path, index: int, rng: random.Random) -> dict:
 
 def derive_tests(runtime, instance: dict) -> dict:
     """FAIL_TO_PASS / PASS_TO_PASS from the tests' status before and after the gold patch (SWE-bench's validation)."""
-    from canopy.envs.swe_grading import apply_patch, run_tests, swebench, test_spec
+    from canopy.envs.swe_grading import apply_patch, run_tests, swebench, test_status
 
     sb = swebench()
     status = []
@@ -442,8 +442,7 @@ def derive_tests(runtime, instance: dict) -> dict:
             log, _ = run_tests(sandbox, instance, 600)
         finally:
             sandbox.close()
-        section = log.split(sb.constants.START_TEST_OUTPUT)[-1].split(sb.constants.END_TEST_OUTPUT)[0]
-        status.append(sb.parsers[instance["log_parser"]](section, test_spec(instance)))
+        status.append(test_status(instance, log))
     before, after = status
     passed = sb.constants.TestStatus.PASSED.value
     f2p = sorted(t for t, s in after.items() if s == passed and before.get(t) != passed)
