@@ -108,12 +108,19 @@ Task: {instruction}"""
 SPLITS = ("train", "dev", "test_normal", "test_challenge")
 
 
+def appworld_scratch() -> Path:
+    """Where servers and graders keep their homes: the pool worker's scratch folder (cleared with the worker), else
+    a folder of their own under the temporary directory (never the whole of it: its homes are hidden from servers)."""
+    scratch = Path(os.environ.get("CANOPY_SCRATCH_ROOT") or Path(tempfile.gettempdir()) / "canopy-appworld")
+    scratch.mkdir(parents=True, exist_ok=True)
+    return scratch
+
+
 class AppWorldServer:
     """One `appworld.serve.environment` process on a private unix socket, and the world it holds."""
 
     def __init__(self, python: str, root: str, start_timeout_s: float, request_timeout_s: float):
-        scratch = Path(os.environ.get("CANOPY_SCRATCH_ROOT") or tempfile.gettempdir())  # cleared with its pool worker
-        scratch.mkdir(parents=True, exist_ok=True)
+        scratch = appworld_scratch()
         self.home = Path(tempfile.mkdtemp(prefix="appworld-", dir=scratch))
         self.socket, self.log = self.home / "server.sock", self.home / "server.log"
         self.outputs = self.home / "outputs"  # its worlds' outputs (AppWorld's experiments/outputs), graded from here
@@ -128,9 +135,11 @@ class AppWorldServer:
         (self.home / "tmp").mkdir()
         self.outputs.mkdir()
         # Hidden from the policy's code: every task's ground truth, the root's experiment outputs, and the other
-        # servers' homes (this worker's folder; in a pool, all workers' folders, which lie side by side).
+        # servers' and graders' homes (this process's folder; in a pool, all workers' folders, side by side). The
+        # data root and AppWorld's venv stay visible wherever they lie.
         others = scratch.parent if os.environ.get("CANOPY_SCRATCH_ROOT") else scratch
         hidden = [others, Path(root) / "experiments", *Path(root).glob("data/tasks/*/ground_truth")]
+        shown = [root, Path(python).parent.parent, Path(python).resolve().parent.parent]
         with open(self.log, "wb") as log:
             server = [
                 python,
@@ -143,7 +152,7 @@ class AppWorldServer:
                 "warning",
             ]
             self.process = subprocess.Popen(
-                confined(server, writable=[self.home], hidden=[p for p in hidden if p.is_dir()], shown=[root]),
+                confined(server, writable=[self.home], hidden=[p for p in hidden if p.is_dir()], shown=shown),
                 cwd=root,
                 env=env,
                 stdin=subprocess.DEVNULL,
@@ -309,8 +318,7 @@ class AppWorldGrader:
     `grade` takes out of the world server's home (what the policy's code could write)."""
 
     def __init__(self, python: str, root: str, timeout_s: float):
-        scratch = Path(os.environ.get("CANOPY_SCRATCH_ROOT") or tempfile.gettempdir())
-        self.home, self.timeout_s = Path(tempfile.mkdtemp(prefix="appworld-grader-", dir=scratch)), timeout_s
+        self.home, self.timeout_s = Path(tempfile.mkdtemp(prefix="appworld-grader-", dir=appworld_scratch())), timeout_s
         env = {**os.environ, **private_home(self.home / "home"), "TMPDIR": str(self.home), "APPWORLD_ROOT": root}
         with open(self.home / "grader.log", "wb") as log:
             self.process = subprocess.Popen(

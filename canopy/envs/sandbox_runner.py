@@ -148,7 +148,7 @@ def hide(hidden: list[str], keep: list[str]) -> None:
         _mount("tmpfs", path, "tmpfs", 0, "size=64k,mode=0755")
         for inner, fd in kept.items():
             if inner.startswith(path.rstrip("/") + "/"):
-                os.makedirs(inner)
+                os.makedirs(inner, exist_ok=True)
                 _mount(f"/proc/self/fd/{fd}", inner, None, MS_BIND | MS_REC, None)
         _mount(None, path, None, MS_REMOUNT | MS_RDONLY, None)
     for fd in kept.values():
