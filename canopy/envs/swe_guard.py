@@ -208,8 +208,8 @@ class TamperGuard:
 
     def changed(self) -> list[str]:
         """The guarded paths the patch changed (relative to /testbed), less those it may change: the test patch's
-        files the base has (the eval script resets them itself) and shared files whose test-runner sections are
-        unchanged."""
+        files the base has (the eval script resets them itself), the repository's own modules under a shadowing
+        name, and shared files whose test-runner sections are unchanged."""
         self._run(f"{self.record} cd /testbed && record > {GUARD}/after")
         base, paths = self._difference("after")
         reset = {f"./{path}" for path in self.scope.test_files} & base
