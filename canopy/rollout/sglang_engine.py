@@ -1,4 +1,4 @@
-"""The SGLang engine: LocalEngine's contract served by SGLang HTTP servers (GPU, their own venv; sglang 0.5.x).
+"""The SGLang engine: LocalEngine's contract served by SGLang HTTP servers (GPU, their own venv; sglang >= 0.5.21).
 
 Servers are launched with `python -m sglang.launch_server` from the SGLang venv's python, or attached by URL.
 Each prompt is one `/generate` request (token ids in, `return_logprob`). Routing is sticky per episode: its first
