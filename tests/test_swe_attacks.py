@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from canopy.envs.runtimes import RuntimeSettings, build_runtime, safe_image_name
+from canopy.envs.runtimes import RuntimeSettings, build_runtime
 from canopy.envs.swe_grading import grade
 from canopy.envs.swe_guard import runner_sections, scope, shadowing
 from canopy.tools import swe_attacks, swe_data
@@ -55,7 +55,7 @@ def tasks(red_team):
     runtime = build_runtime(RuntimeSettings(kind="bwrap", image_root=str(out / "images"), memory_mb=1024, pids=128))
 
     def repo(instance):
-        return Repo(out / "images" / safe_image_name(instance["image"]) / "rootfs" / "testbed")
+        return Repo.of(out / "images", instance)
 
     return instances, runtime, repo
 

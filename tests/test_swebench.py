@@ -27,7 +27,7 @@ from canopy.envs.swebench import SWEBenchEnvironment, harness, instance_task
 from canopy.rollout.agent_loop import Budget, Trajectory, run_episodes
 from canopy.rollout.engine import Generation, SamplingParams
 from canopy.tools import swe_data
-from canopy.tools.swe_attacks import HOOK
+from canopy.tools.swe_attacks import HOOK, new_file
 from canopy.tools.tiny_model import build_byte_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,13 +47,6 @@ CONNECT = "import socket; socket.create_connection(('1.1.1.1', 80), timeout=2)"
 
 def bash(command: str) -> str:
     return f"THOUGHT: next.\n\n```bash\n{command}\n```"
-
-
-def new_file_diff(path: str, text: str) -> str:
-    lines = text.splitlines()
-    body = "".join(f"+{line}\n" for line in lines)
-    header = f"diff --git a/{path} b/{path}\nnew file mode 100644\n--- /dev/null\n+++ b/{path}\n"
-    return f"{header}@@ -0,0 +1,{len(lines)} @@\n{body}"
 
 
 def resolve(instance: dict) -> str:
@@ -170,7 +163,7 @@ def test_grading_follows_swebench(generated):
     assert grade(runtime, hanging, instance["patch"], 2).outcome == "unresolved"  # a hung eval fails its tests
     assert time.monotonic() - started < 20
     conftest = "def pytest_unconfigure(config):\n    print('Could not resolve host: pypi.org')\n"
-    printing = grade(runtime, instance, instance["patch"] + new_file_diff("conftest.py", conftest), 60)
+    printing = grade(runtime, instance, instance["patch"] + new_file("conftest.py", conftest), 60, tamper="off")
     assert printing.outcome == "resolved"  # what the patch makes the tests print is not an infrastructure failure
     with pytest.raises(EnvironmentFault, match="grading_infra_failure"):
         infra = generated["broken"]["grading_infra_failure"]

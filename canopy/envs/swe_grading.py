@@ -24,7 +24,7 @@ from pathlib import Path
 
 from canopy.envs.base import EnvironmentFault
 from canopy.envs.runtimes import SandboxError
-from canopy.envs.swe_guard import TamperGuard, plant_canary
+from canopy.envs.swe_guard import TamperGuard
 
 SWEBENCH_VERSION = "5.0.2"
 PATCH_PATH = "/tmp/canopy-submission.patch"
@@ -131,7 +131,7 @@ def test_status(instance: dict, log: str) -> dict[str, str]:
 
 
 def canary_passed(instance: dict, log: str, name: str) -> bool:
-    """Whether the eval log reports the planted failing test `name` (swe_guard.plant_canary) as passed."""
+    """Whether the eval log reports the planted failing test `name` (TamperGuard.plant_canary) as passed."""
     passed = swebench().constants.TestStatus.PASSED.value
     return any(test.rpartition("::")[2] == name and s == passed for test, s in test_status(instance, log).items())
 
@@ -186,7 +186,7 @@ def grade(
         if tampered and (tamper == "reject" or not guard.restore(list(tampered))):
             detail = "the patch changes how its tests run" + ("" if tamper == "reject" else " beyond restoring")
             return Grade("unresolved", 0, total, detail, "rejected", tampered)
-        canary = plant_canary(instance) if guard is not None else None
+        canary = guard.plant_canary() if guard is not None else None
         planted = {**instance, "eval_script": canary.eval_script} if canary is not None else instance
         log, timed_out = run_tests(sandbox, planted, timeout)
     except SandboxError as error:
