@@ -9,7 +9,7 @@ STAMP := $(VENV)/.canopy-installed
 APPWORLD_VENV ?= .venv-appworld
 APPWORLD_STAMP := $(APPWORLD_VENV)/.canopy-installed
 
-.PHONY: train test lint bench clean appworld system
+.PHONY: train test lint bench clean appworld system device-rehearsal device-bundle
 
 # swebench and mini-swe-agent without their dependencies: Canopy imports only swebench's grading modules (docker,
 # datasets and modal stay out) and reads mini-swe-agent's templates from its package data (litellm stays out).
@@ -55,6 +55,13 @@ lint: $(STAMP)
 
 test: lint $(APPWORLD_STAMP) system
 	$(PY) -m pytest -q -ra $(PYTEST_ARGS)
+
+# The lent GPU machine (README, "Verified where"): its bundle of wheels, and its setup rehearsed here on torch 2.11
+device-bundle: $(STAMP)
+	bash scripts/device_bundle.sh
+
+device-rehearsal: $(STAMP)
+	SYSTEM_PYTHON=$(SYSTEM_PYTHON) bash scripts/device_rehearsal.sh
 
 bench: $(STAMP)
 	$(PY) bench/update_step.py

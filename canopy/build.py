@@ -7,6 +7,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 from transformers import AutoTokenizer
 
+from canopy.compat import require_multiprocess_torch
 from canopy.config import ConfigError
 from canopy.datamodules.rollout import AdaptiveGroups, RolloutDataModule
 from canopy.envs import environment_factory, environment_kwargs
@@ -63,6 +64,8 @@ def build_engine(cfg: DictConfig, model_path: str, tokenizer):
             pad_token_id=tokenizer.pad_token_id,
             seed=cfg.seed,
             rope_scaling=rope_scaling,
+            dtype=cfg.engine.dtype,
+            device=cfg.engine.device,
         )
     if cfg.engine.name == "sglang":
         settings = SGLangSettings(**OmegaConf.to_container(cfg.engine.sglang, resolve=True))
@@ -103,7 +106,7 @@ def engine_dtype(cfg: DictConfig, model_path: str) -> str:
     """The dtype the engine will compute in, known before (and without) building it."""
     if cfg.engine.name == "sglang":
         return serving_dtype(cfg.engine.sglang.extra_args, model_path)
-    return LocalEngine.dtype
+    return cfg.engine.dtype
 
 
 def build_engine_handle(cfg: DictConfig, model_path: str) -> EngineHandle:
@@ -200,6 +203,7 @@ def build_strategy(cfg: DictConfig):
     world = p.dp_replicate * p.dp_shard * p.tp * p.cp
     if world == 1:
         return "auto"
+    require_multiprocess_torch(world)
     from lightning.pytorch.strategies import ModelParallelStrategy
 
     # Lightning's 2-D mesh only has to cover the processes (dp x tp = world); the policy's own meshes are

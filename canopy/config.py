@@ -211,6 +211,15 @@ def validate(cfg: DictConfig) -> None:
         sampling_of(cfg.trajectories)
     if cfg.engine.name == "sglang":
         SGLangSettings(**cfg.engine.sglang).validate(cfg.trainer.accelerator, cfg.trainer.devices)
+    if cfg.engine.name == "local":
+        require(
+            cfg.engine.dtype in ("float32", "bfloat16", "float16"),
+            f"engine.dtype={cfg.engine.dtype!r} is unknown: use float32, bfloat16 or float16",
+        )
+        require(
+            cfg.engine.device in ("cpu", "cuda") or str(cfg.engine.device).startswith("cuda:"),
+            f"engine.device={cfg.engine.device!r} is unknown: use cpu, cuda or cuda:N",
+        )
 
 
 def validate_eval(cfg: DictConfig) -> None:

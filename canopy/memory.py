@@ -225,10 +225,7 @@ def trainer_plan(shape: ModelShape, layout: TrainerLayout) -> Plan:
     outside = tokens * (3 * shape.hidden * c + 8 + 4 + 16 + 8 + 8)
     activations = sum(per_rank(layer, mode) for layer in saved_layers) + outside
 
-    chunk, vocab = min(layout.logprob_chunk_tokens, tokens), math.ceil(shape.vocab / tp)
-    head_buffers = 2 * chunk * vocab * 4
-    accumulator = vocab * shape.hidden * 4 if c != 4 else 0  # in float32 it is the gradient itself
-    head = head_buffers + accumulator + tokens * shape.hidden * c
+    head = logprob_head_bytes(tokens, math.ceil(shape.vocab / tp), shape.hidden, layout.logprob_chunk_tokens, c)
     recompute = max(per_rank(n, "none") - per_rank(s, mode) for n, s in zip(none_layers, saved_layers, strict=True))
     layer_backward = recompute + GRADIENT_TEMPORARIES * tokens * math.ceil(shape.intermediate / tp) * c
     optimizer_step = E * 4 if gpu else 2 * shape.largest_param * 4  # foreach AdamW's temporaries / per tensor
@@ -262,6 +259,13 @@ def trainer_plan(shape: ModelShape, layout: TrainerLayout) -> Plan:
         subtotal = sum(term.bytes for term in terms)
         terms.append(Term("allocator headroom", ALLOCATOR_HEADROOM * subtotal, "10% for fragmentation", True))
     return Plan(tuple(terms), working)
+
+
+def logprob_head_bytes(tokens: int, vocab: int, hidden: int, chunk: int, compute_bytes: int) -> float:
+    """The chunked logprob head's working set: two float32 [chunk, vocab] buffers, the hidden states' gradient,
+    and in bf16 a float32 accumulator of the weight's gradient (in float32 it is the gradient itself)."""
+    accumulator = vocab * hidden * 4 if compute_bytes != 4 else 0
+    return 2 * min(chunk, tokens) * vocab * 4 + accumulator + tokens * hidden * compute_bytes
 
 
 def _listed(amounts: dict[str, float]) -> str:

@@ -12,7 +12,7 @@ random Qwen3, and, with two or more GPUs, context parallel (x TP x FSDP) against
 `--family qwen3_5` runs both parts on a random Qwen3.5 (Gated DeltaNet + full attention): (b) as tp = 2 x dp_shard
 (TorchTitan has no CP for Qwen3.5), and on the CPU dry run as dp_shard = 2 (its torch kernels run unsharded).
 
-    python scripts/gpu_check_parallel.py                # GPU machine; scripts/gpu_check.sh runs it
+    python scripts/gpu_check_parallel.py                # GPU machine; scripts/device_check.sh runs it
     python scripts/gpu_check_parallel.py --cpu-dry-run  # the same code path, tiny, on CPU (gloo)
     python scripts/gpu_check_parallel.py --family qwen3_5 [--cpu-dry-run]
 

@@ -13,10 +13,12 @@ Gated DeltaNet, and the Qwen3.5 policy's training step.
     python scripts/gpu_check_qwen3_5.py --cpu-dry-run  # the same code path, tiny, on CPU; (a) against transformers'
                                                        # torch kernels instead of fla's (which need a GPU)
 
-The last line is `gpu_check_qwen3_5: PASS` or `gpu_check_qwen3_5: FAIL (why)`. Nothing is downloaded.
+The line before the last is `RESULT {json}`, the last `gpu_check_qwen3_5: PASS` or `gpu_check_qwen3_5: FAIL (why)`.
+Nothing is downloaded.
 """
 
 import argparse
+import json
 import sys
 import tempfile
 import time
@@ -72,8 +74,9 @@ def relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
 
 
-def check_kernels(device, dtype, shape, cpu: bool) -> list[str]:
-    """Forward and backward of ours against the reference on the same inputs; returns what failed."""
+def check_kernels(device, dtype, shape, cpu: bool, record: dict) -> list[str]:
+    """Forward and backward of ours against the reference on the same inputs; returns what failed, and records
+    each largest relative difference and time in `record`."""
     rule, conv = reference_kernels(cpu)
     B, T, Hk, Hv, d = shape
     g = torch.Generator(device=device).manual_seed(0)
@@ -95,19 +98,22 @@ def check_kernels(device, dtype, shape, cpu: bool) -> list[str]:
         print(
             f"  gated delta rule, {name:<9} {dtype}: forward {seconds * 1e3:8.1f} ms, backward {backward * 1e3:8.1f} ms"
         )
+        record[f"{name} {dtype} forward+backward ms"] = (seconds + backward) * 1e3
     for label, ours, theirs in zip(("out", "dq", "dk", "dv", "dg", "dbeta"), grads["ours"], grads["reference"]):
         error = relative(ours, theirs)
         print(f"  {label:>6}: max relative difference {error:.2e}")
+        record[f"{label} {dtype}"] = error
         if error > TOLERANCE[dtype]:
             failed.append(f"{label} {dtype} {error:.1e}")
     error = relative(causal_conv1d(x, weight), conv(x, weight))
     print(f"  causal conv: max relative difference {error:.2e}")
+    record[f"conv {dtype}"] = error
     if error > TOLERANCE[dtype]:
         failed.append(f"conv {dtype} {error:.1e}")
     return failed
 
 
-def check_policy_step(device, cpu: bool) -> list[str]:
+def check_policy_step(device, cpu: bool, record: dict) -> list[str]:
     from canopy.modules.policy import load_policy
     from canopy.tools.tiny_model import build_tiny_checkpoint
 
@@ -129,6 +135,7 @@ def check_policy_step(device, cpu: bool) -> list[str]:
             on_gpu = policy.to(device)(ids[:, :512].to(device)).cpu()
         error = relative(on_gpu, on_cpu)
         print(f"  policy logits, fla on GPU vs torch kernels on CPU: max relative difference {error:.2e}")
+        record["policy logits GPU vs CPU"] = error
         if error > TOLERANCE[torch.float32]:
             failed.append(f"policy logits GPU vs CPU {error:.1e}")
     policy.to(device)
@@ -150,6 +157,7 @@ def check_policy_step(device, cpu: bool) -> list[str]:
     _, flops_per_token = policy.config.get_nparams_and_flops(policy, length)
     mfu = "n/a" if cpu else f"{100 * flops_per_token * tokens / step_time / H200_BF16_PEAK:.1f}%"
     print(f"  policy step: step time {step_time:.3f} s, {tokens / step_time:,.0f} tokens/s, MFU {mfu}")
+    record.update({"policy step s": step_time, "policy tokens/s": tokens / step_time, "policy MFU": mfu})
     return failed + ([] if torch.isfinite(loss) else ["policy loss not finite"])
 
 
@@ -162,12 +170,13 @@ def main() -> None:
         sys.exit("gpu_check_qwen3_5: FAIL (no GPU: use --cpu-dry-run)")
     device = torch.device("cpu" if cpu else "cuda")
     shape = (1, 100, 2, 4, 16) if cpu else (2, 4096, 16, 32, 128)
-    failed = []
+    failed, record = [], {}
     print("(a) Gated DeltaNet kernels: ours against " + ("transformers' torch kernels" if cpu else "fla's"))
     for dtype in (torch.float32, torch.bfloat16):
-        failed += check_kernels(device, dtype, shape, cpu)
+        failed += check_kernels(device, dtype, shape, cpu, record)
     print("(b) Qwen3.5 policy: " + ("training step (torch kernels)" if cpu else "GPU against CPU, training step"))
-    failed += check_policy_step(device, cpu)
+    failed += check_policy_step(device, cpu, record)
+    print("RESULT " + json.dumps(dict(record, failed=failed)))
     print("gpu_check_qwen3_5: PASS" if not failed else f"gpu_check_qwen3_5: FAIL ({'; '.join(failed)})")
     sys.exit(1 if failed else 0)
 

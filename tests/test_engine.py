@@ -85,3 +85,31 @@ def test_partial_or_foreign_weight_updates_are_refused(tiny_path, tokenizer):
     with pytest.raises(KeyError, match="does not have"):
         engine.update_weights([("model.bogus.weight", torch.zeros(1))], version=1)
     assert engine.weight_version == 0
+
+
+def test_a_bfloat16_engine_samples_near_the_float32_trainer_but_not_equal(tiny_path, tokenizer):
+    """`engine.dtype=bfloat16`: the gap the device check measures on a GPU, here on the CPU's bf16 kernels."""
+    stop = [tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    engine = LocalEngine(tiny_path, stop, tokenizer.pad_token_id, seed=3, dtype="bfloat16", device="cpu")
+    assert engine.dtype == "bfloat16" and next(engine.model.parameters()).dtype == torch.bfloat16
+    policy, _ = load_policy(tiny_path)
+    prompt = tokenizer.encode("task : vault 1 . status : guest", add_special_tokens=False)
+    generation = engine.generate([prompt], [16], SamplingParams(temperature=0.7))[0]
+    ids = torch.tensor([prompt + generation.token_ids])
+    with torch.no_grad():
+        logp = torch.log_softmax(policy(ids)[0, :-1] / 0.7, -1)
+    expected = logp[len(prompt) - 1 :].gather(-1, ids[0, len(prompt) :, None]).squeeze(-1)
+    gap = (torch.tensor(generation.logprobs) - expected).abs().mean().item()
+    assert 1e-5 < gap < 0.05, gap  # bf16 rounding: far above float32's ~1e-7, far below a wrong model's
+
+
+@pytest.mark.parametrize(
+    "override,message",
+    [("engine.dtype=fp8", "engine.dtype='fp8' is unknown"), ("engine.device=tpu", "engine.device='tpu' is unknown")],
+)
+def test_engine_dtype_and_device_are_validated(override, message):
+    from canopy.config import ConfigError, validate
+    from canopy.tools.memory_plan import compose_config
+
+    with pytest.raises(ConfigError, match=message):
+        validate(compose_config([override]))

@@ -123,9 +123,8 @@ class EngineHandle:
 
 class LocalEngine:
     """Batched sampling with a KV cache (and Qwen3.5's recurrent state) from the HF causal LM of the checkpoint
-    (Qwen3, Qwen3.5), in-process, in float32."""
-
-    dtype = "float32"
+    (Qwen3, Qwen3.5), in-process: float32 on the CPU by default, or `dtype` on `device` (a GPU's bf16 engine, whose
+    gap to the trainer the device check measures). Tokens are drawn on the CPU from the seeded generator."""
 
     def __init__(
         self,
@@ -134,18 +133,22 @@ class LocalEngine:
         pad_token_id: int,
         seed: int = 0,
         rope_scaling: dict | None = None,
+        dtype: str = "float32",
+        device: str = "cpu",
     ):
         """`rope_scaling` (e.g. YaRN for the enlarged budget, Appendix I) overrides the HF config's RoPE on load."""
         self.model_path, self.rope_scaling, self.seed = model_path, rope_scaling, seed
+        self.dtype, self.device = dtype, torch.device(device)
         self.siblings: dict[str, LocalEngine] = {}  # the same weights at other RoPE scalings, by `at_budget`
         config = AutoConfig.from_pretrained(model_path)
         if rope_scaling:
             config.rope_parameters = {**config.rope_parameters, **rope_scaling}
-        if config.model_type.startswith("qwen3_5"):
+        if config.model_type.startswith("qwen3_5") and self.device.type == "cpu":
             from canopy.modules.gated_delta import transformers_on_torch_kernels
 
-            transformers_on_torch_kernels()  # in-process means CPU: fla's Triton kernels cannot run here
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, config=config, dtype=torch.float32).eval()
+            transformers_on_torch_kernels()  # fla's Triton kernels cannot run on the CPU
+        model = AutoModelForCausalLM.from_pretrained(model_path, config=config, dtype=getattr(torch, dtype))
+        self.model = model.to(self.device).eval()
         self.stop_token_ids = torch.tensor(sorted(set(stop_token_ids)))
         self.pad_token_id = pad_token_id
         self.weight_version = 0
@@ -175,7 +178,9 @@ class LocalEngine:
         key = repr(sorted(rope_scaling.items())) if rope_scaling else "none"
         if key not in self.siblings:
             stops = self.stop_token_ids.tolist()
-            self.siblings[key] = LocalEngine(self.model_path, stops, self.pad_token_id, self.seed, rope_scaling)
+            self.siblings[key] = LocalEngine(
+                self.model_path, stops, self.pad_token_id, self.seed, rope_scaling, self.dtype, str(self.device)
+            )
         sibling = self.siblings[key]
         if sibling.weight_version != self.weight_version:
             sibling.update_weights(self.model.named_parameters(), self.weight_version)
@@ -216,15 +221,15 @@ class LocalEngine:
         step_ids, step_positions = input_ids, position_ids
         for step in range(int(limits.max().clamp_min(0))):
             out = self.model(
-                input_ids=step_ids,
-                attention_mask=attention_mask,
-                position_ids=step_positions,
+                input_ids=step_ids.to(self.device),
+                attention_mask=attention_mask.to(self.device),
+                position_ids=step_positions.to(self.device),
                 cache=cache,
                 use_cache=True,
                 logits_to_keep=1,
             )
             cache = out.cache
-            scaled = out.logits[:, -1, :].float() / sampling.temperature
+            scaled = out.logits[:, -1, :].float().cpu() / sampling.temperature
             token_logprobs = torch.log_softmax(scaled, dim=-1)
             probs = torch.softmax(filter_logits(scaled, sampling.top_k, sampling.top_p), dim=-1)
             tokens = torch.multinomial(probs, 1, generator=self.generator).squeeze(-1)

@@ -6,6 +6,8 @@ Both report bytes above what was allocated when the work started, so tensors tha
 not counted and must be added by the caller.
 """
 
+import statistics
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -49,12 +51,23 @@ def measure(work: Callable[[], object], device: torch.device | str = "cpu") -> t
     return result, Measured(peak=peak, end=live)
 
 
-def measure_training_step(hf: dict, layout, rows: int, seq_len: int, seed: int = 0) -> dict[str, float]:
-    """Bytes of one single-process training step on CPU, term by term as the memory plan names them, from a
+def measure_training_step(
+    hf: dict,
+    layout,
+    rows: int,
+    seq_len: int,
+    seed: int = 0,
+    device: str = "cpu",
+    autocast: torch.dtype | None = None,
+    repeats: int = 1,
+) -> dict[str, float]:
+    """Bytes of one single-process training step on `device`, term by term as the memory plan names them, from a
     randomly initialized model of config.json `hf` (policy and frozen reference, `layout`'s checkpointing, micro-
     batch and head chunk) on `rows` random sequences of `seq_len` tokens: weights, reference, gradients and
     optimizer from the tensors themselves; activations (what one micro-batch's forward keeps) and the logprob head's
-    working set measured alone; `peak` for a whole steady-state step (the second: AdamW's moments exist)."""
+    working set measured alone; `peak` for a whole steady-state step (the second: AdamW's moments exist); and
+    `step seconds`, the median of `repeats` steady-state steps. `autocast` runs the steps' compute in that dtype
+    over float32 weights (the plan's single process computes in float32)."""
     from canopy.datamodules.rollout import RolloutBatch
     from canopy.modules.canopy_module import CanopyModule
     from canopy.modules.logprobs import model_token_logprobs, sequence_inputs
@@ -67,27 +80,29 @@ def measure_training_step(hf: dict, layout, rows: int, seq_len: int, seed: int =
         micro_batch_tokens=layout.micro_batch_tokens,
         logprob_chunk_tokens=layout.logprob_chunk_tokens,
     )
-    module.policy = apply_activation_checkpointing(_random_model(hf), layout.activation_checkpointing)
-    module.reference = _random_model(hf).requires_grad_(False).eval()
+    module.policy = apply_activation_checkpointing(_random_model(hf, device), layout.activation_checkpointing)
+    module.reference = _random_model(hf, device).requires_grad_(False).eval()
     module.manual_backward = lambda loss: loss.backward()
     optimizer = torch.optim.AdamW(module.policy.parameters(), lr=1e-5)
     g = torch.Generator().manual_seed(seed)
     vocab = module.policy.lm_head.weight.shape[0]
     action = torch.rand(rows, seq_len, generator=g) > 0.3
     batch = RolloutBatch(
-        torch.randint(0, vocab, (rows, seq_len), generator=g),
-        action,
-        -torch.rand(rows, seq_len, generator=g) * action,
-        torch.where(action, 0, -1),
-        torch.randn(rows, generator=g),
-        torch.full((rows,), seq_len),
+        torch.randint(0, vocab, (rows, seq_len), generator=g).to(device),
+        action.to(device),
+        (-torch.rand(rows, seq_len, generator=g) * action).to(device),
+        torch.where(action, 0, -1).to(device),
+        torch.randn(rows, generator=g).to(device),
+        torch.full((rows,), seq_len, device=device),
         {},
     )
+    compute = torch.autocast(torch.device(device).type, dtype=autocast, enabled=autocast is not None)
 
     def step() -> None:
-        micro_batches = module._micro_batches(batch)
-        ref_logprobs = module._logprobs_no_grad(module.reference, batch, micro_batches)
-        module._minibatch_backward(batch, torch.arange(rows), ref_logprobs, None)
+        with compute:
+            micro_batches = module._micro_batches(batch)
+            ref_logprobs = module._logprobs_no_grad(module.reference, batch, micro_batches)
+            module._minibatch_backward(batch, torch.arange(rows), ref_logprobs, None)
         optimizer.step()
 
     step()  # the first step creates AdamW's moments
@@ -98,33 +113,51 @@ def measure_training_step(hf: dict, layout, rows: int, seq_len: int, seed: int =
         "optimizer": sum(t.nbytes for state in optimizer.state.values() for t in state.values() if t.dim()),
     }
     optimizer.zero_grad(set_to_none=True)
-    _, whole_step = measure(step)
+    _, whole_step = measure(step, device)
     measured["peak"] = measured["weights"] + measured["reference"] + measured["optimizer"] + whole_step.peak
+    seconds = []
+    for _ in range(repeats):
+        optimizer.zero_grad(set_to_none=True)
+        start = time.perf_counter()
+        step()
+        _synchronize(device)
+        seconds.append(time.perf_counter() - start)
+    measured["step seconds"] = statistics.median(seconds)
 
     optimizer.zero_grad(set_to_none=True)
     micro = batch.select(module._micro_batches(batch)[0][0])
     inputs = sequence_inputs(micro)
     t = layout.logprob_chunk_tokens
-    _, forward = measure(lambda: model_token_logprobs(module.policy, inputs, 1.0, t))
+    with compute:
+        logprobs, forward = measure(lambda: model_token_logprobs(module.policy, inputs, 1.0, t), device)
     measured["activations"] = forward.end
+    del logprobs  # frees the activations before the head is measured
 
-    hidden = torch.randn(inputs["tokens"].numel(), module.policy.lm_head.weight.shape[1], requires_grad=True)
+    width = module.policy.lm_head.weight.shape[1]
+    hidden = torch.randn(inputs["tokens"].numel(), width, device=device, requires_grad=True)
     targets = inputs["targets"].reshape(-1)
 
     def head_step() -> None:
-        chosen, entropy = module.policy.lm_head(hidden, targets, 1.0, t)
+        with compute:
+            chosen, entropy = module.policy.lm_head(hidden, targets, 1.0, t)
         (chosen - 0.1 * entropy).sum().backward()
 
-    _, head = measure(head_step)
+    _, head = measure(head_step, device)
     measured["logprob head"] = head.peak - module.policy.lm_head.weight.grad.nbytes  # its gradient: "gradients"
     return measured
 
 
-def _random_model(hf: dict) -> torch.nn.Module:
-    """The TorchTitan model of config.json `hf`, randomly initialized on CPU in float32 (no checkpoint)."""
+def _synchronize(device: str) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _random_model(hf: dict, device: str = "cpu") -> torch.nn.Module:
+    """The TorchTitan model of config.json `hf`, randomly initialized on `device` in float32 (no checkpoint)."""
     from canopy.modules.policy import build_model
 
-    model = build_model(hf)
+    with torch.device(device):
+        model = build_model(hf)
     with torch.no_grad():
         for parameter in model.parameters():
             parameter.normal_(0.0, 0.02)
