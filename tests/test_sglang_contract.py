@@ -35,12 +35,13 @@ from canopy.rollout.sglang_engine import SGLangSettings
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="module")
-def api():
+def release():
+    """The pinned release's API; a test fails (in one line naming the make target) when its source is not installed."""
     try:
         return load_api()
     except SGLangSourceMissing as missing:
-        pytest.fail(str(missing), pytrace=False)
+        message = str(missing)
+    pytest.fail(message, pytrace=False)
 
 
 def canopy_requests(tiny_path, work: Path, routes=ROUTES) -> list:
@@ -116,8 +117,9 @@ def sent(tiny_path, tmp_path_factory):
     return canopy_requests(tiny_path, tmp_path_factory.mktemp("contract"))
 
 
-def test_the_contract_reads_the_release(api):
+def test_the_contract_reads_the_release():
     """Not vacuous: what the parse finds includes what is known to be in sglang 0.5.23."""
+    api = release()
     assert check_route(api, "POST", "/generate")[0].body == "GenerateReqInput"
     assert check_route(api, "GET", "/health")[0].handler == check_route(api, "GET", "/health_generate")[0].handler
     assert {m for r in api.routes_at("/flush_cache") for m in r.methods} == {"GET", "POST"}
@@ -155,7 +157,8 @@ def test_the_contract_reads_the_release(api):
     assert [f.kind for f in check_reply(api, "/model_info", {"version": "0"})] == ["unknown_reply_field"]
 
 
-def test_every_request_canopy_sends_is_served_by_the_release(api, sent):
+def test_every_request_canopy_sends_is_served_by_the_release(sent):
+    api = release()
     failures = check_requests(api, [(call.method, call.path, call.body) for call in sent])
     assert not failures, f"sglang {api.version}:\n" + "\n".join(map(str, failures))
     assert {call.status for call in sent} == {200, 500}  # the fakes answered every route (500: the scripted one)
@@ -166,16 +169,18 @@ def test_every_request_canopy_sends_is_served_by_the_release(api, sent):
     assert named == {call.path for call in sent}
 
 
-def test_every_flag_and_variable_canopy_launches_with_is_the_release(api):
+def test_every_flag_and_variable_canopy_launches_with_is_the_release():
+    api = release()
     launches = canopy_launches()
     assert any("--json-model-override-args" in argv for _, argv, _ in launches)  # the YaRN branch was taken
     failures = [f"{source}: {f}" for source, argv, env in launches for f in check_launch(api, argv, env)]
     assert not failures, f"sglang {api.version}:\n" + "\n".join(failures)
 
 
-def test_the_readme_launch_commands_name_real_flags(api):
+def test_the_readme_launch_commands_name_real_flags():
     """The launch commands the README's code blocks spell out for servers started by hand (values are shell: flags
     only)."""
+    api = release()
     blocks = (ROOT / "README.md").read_text().split("```")[1::2]
     lines = [line for block in blocks for line in block.replace("\\\n", " ").splitlines()]
     commands = [line for line in lines if "sglang.launch_server" in line]
@@ -196,7 +201,8 @@ def _status(url: str, method: str) -> int:
         return error.code
 
 
-def test_the_fake_serves_exactly_the_routes_canopy_calls_as_the_release_does(api, sent):
+def test_the_fake_serves_exactly_the_routes_canopy_calls_as_the_release_does(sent):
+    api = release()
     assert {(call.method, call.path) for call in sent} == ROUTES
     for method, path in sorted(ROUTES):
         assert check_route(api, method, path)[1] == []
@@ -218,8 +224,9 @@ def test_the_fake_serves_exactly_the_routes_canopy_calls_as_the_release_does(api
         fake.stop()
 
 
-def test_misspelt_routes_fields_flags_and_variables_are_reported(api, tiny_path, tmp_path, monkeypatch):
+def test_misspelt_routes_fields_flags_and_variables_are_reported(tiny_path, tmp_path, monkeypatch):
     """Mutations of what the engine sends, at its HTTP call and its launch command: the contract names each."""
+    api = release()
     request = sglang_engine._request
 
     def misspelt(url, body, timeout, headers=None):
@@ -265,8 +272,14 @@ def test_misspelt_routes_fields_flags_and_variables_are_reported(api, tiny_path,
     }
 
 
-def test_a_missing_release_fails_naming_the_make_target(tmp_path, monkeypatch):
+def test_a_missing_or_stale_release_fails_naming_the_make_target(tmp_path, monkeypatch):
     monkeypatch.setenv("CANOPY_SGLANG_API", str(tmp_path))
     with pytest.raises(SGLangSourceMissing, match=r"run `make test` \(or `make sglang-api`\).*sglang==\d") as missing:
         load_api()
     assert "\n" not in str(missing.value)
+    (tmp_path / "sglang" / "srt" / "entrypoints").mkdir(parents=True)
+    (tmp_path / "sglang" / "srt" / "entrypoints" / "http_server.py").write_text("")
+    (tmp_path / "sglang-0.4.0.dist-info").mkdir()
+    (tmp_path / "sglang-0.4.0.dist-info" / "METADATA").write_text("Name: sglang\nVersion: 0.4.0\n")
+    with pytest.raises(SGLangSourceMissing, match=r"holds sglang 0.4.0, the Makefile pins .*: run `make test`"):
+        load_api()
