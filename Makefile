@@ -9,7 +9,7 @@ STAMP := $(VENV)/.canopy-installed
 APPWORLD_VENV ?= .venv-appworld
 APPWORLD_STAMP := $(APPWORLD_VENV)/.canopy-installed
 
-.PHONY: train test lint bench clean appworld system device-rehearsal device-bundle
+.PHONY: train test lint bench clean appworld system sglang sglang-api device-rehearsal device-bundle
 
 # swebench and mini-swe-agent without their dependencies: Canopy imports only swebench's grading modules (docker,
 # datasets and modal stay out) and reads mini-swe-agent's templates from its package data (litellm stays out).
@@ -48,12 +48,33 @@ $(APPWORLD_STAMP):
 
 appworld: $(APPWORLD_STAMP)
 
+# SGLang: tests/test_sglang_contract.py checks the routes, request fields, sampling params, server flags and
+# environment Canopy uses against this release's source, installed without its dependencies into .sglang-api (read
+# with ast, never imported). `make sglang` builds the venv a GPU node serves it from (its own CUDA torch; not part of
+# `make test`); point Canopy at it with engine.sglang.python=.venv-sglang/bin/python (or CANOPY_SGLANG_PYTHON).
+SGLANG_VERSION := 0.5.23
+SGLANG_API := .sglang-api
+SGLANG_API_STAMP := $(SGLANG_API)/.canopy-sglang-$(SGLANG_VERSION)
+SGLANG_VENV ?= .venv-sglang
+
+$(SGLANG_API_STAMP): | $(STAMP)
+	rm -rf $(SGLANG_API)
+	$(PY) -m pip install -q --no-deps --target $(SGLANG_API) sglang==$(SGLANG_VERSION)
+	touch $(SGLANG_API_STAMP)
+
+sglang-api: $(SGLANG_API_STAMP)
+
+sglang:
+	test -x $(SGLANG_VENV)/bin/python || $(SYSTEM_PYTHON) -m venv $(SGLANG_VENV)
+	$(SGLANG_VENV)/bin/python -m pip install -q sglang==$(SGLANG_VERSION)
+	@echo "launch servers from it: engine.sglang.python=$(SGLANG_VENV)/bin/python"
+
 # ruff lint and format (pyproject.toml: line length 120), then pytest
 lint: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 
-test: lint $(APPWORLD_STAMP) system
+test: lint $(APPWORLD_STAMP) $(SGLANG_API_STAMP) system
 	$(PY) -m pytest -q -ra $(PYTEST_ARGS)
 
 # The lent GPU machine (README, "Verified where"): its bundle of wheels, and its setup rehearsed here on torch 2.11

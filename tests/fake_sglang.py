@@ -1,20 +1,52 @@
-"""A fake SGLang 0.5.x HTTP server (stdlib only, in a thread) for the engine tests; `tests/fake_sglang_launch/`
-runs it as `python -m sglang.launch_server` so that launching and relaunching can be tested too."""
+"""A fake SGLang HTTP server (stdlib only, in a thread) for the engine tests; `tests/fake_sglang_launch/` runs it as
+`python -m sglang.launch_server` so that launching and relaunching can be tested too. Its route table is the routes
+Canopy calls, each with the method SGLang serves it under; tests/test_sglang_contract.py checks both against the
+SGLang release the Makefile pins."""
 
 import json
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import NamedTuple
+
+# (method, path) of every route Canopy calls; anything else is answered as FastAPI would: 404 for an unknown path,
+# 405 for a known path under another method
+ROUTES = frozenset(
+    {
+        ("GET", "/health"),
+        ("GET", "/health_generate"),
+        ("GET", "/model_info"),
+        ("POST", "/generate"),
+        ("POST", "/pause_generation"),
+        ("POST", "/continue_generation"),
+        ("POST", "/flush_cache"),
+        ("POST", "/update_weights_from_disk"),
+        ("POST", "/init_weights_update_group"),
+        ("POST", "/begin_weight_update"),
+        ("POST", "/update_weights_from_distributed"),
+        ("POST", "/end_weight_update"),
+    }
+)
+
+
+class Call(NamedTuple):
+    """One request as the fake saw it (path and body first: tests index them), with its answer."""
+
+    path: str
+    body: dict | None
+    method: str
+    status: int | None = None
+    reply: dict | None = None
 
 
 class FakeSGLang:
-    """Records every (path, body); /generate replies `reply_ids` (cut at max_new_tokens) stamped with the version
-    the last weight update set, after `delay` seconds (or `delay(body)`). `failures` scripts the next /generate
-    replies: abort, 500, 400 or drop."""
+    """Records every request as a `Call`; /generate replies `reply_ids` (cut at max_new_tokens) stamped with the
+    version the last weight update set, after `delay` seconds (or `delay(body)`). `failures` scripts the next
+    /generate replies: abort, 500, 400 or drop. `routes` is the route table (None: answer any method and path)."""
 
-    def __init__(self, reply_ids=(7, 8, 2), delay=0.0, port=0):
-        self.reply_ids, self.delay = list(reply_ids), delay
-        self.calls: list[tuple[str, dict | None]] = []
+    def __init__(self, reply_ids=(7, 8, 2), delay=0.0, port=0, routes=ROUTES):
+        self.reply_ids, self.delay, self.routes = list(reply_ids), delay, routes
+        self.calls: list[Call] = []
         self.failures: list[str] = []
         self.fail_prefix: list[int] | None = None  # /generate of prompts starting with these ids answers 500
         self.version, self.report_version = "default", None
@@ -26,10 +58,16 @@ class FakeSGLang:
                 pass
 
             def do_GET(self):
-                fake.handle(self, None)
+                fake.handle(self, "GET")
 
             def do_POST(self):
-                fake.handle(self, json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+                fake.handle(self, "POST")
+
+            def do_PUT(self):
+                fake.handle(self, "PUT")
+
+            def do_DELETE(self):
+                fake.handle(self, "DELETE")
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", port), Handler)
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
@@ -40,30 +78,48 @@ class FakeSGLang:
         self.httpd.server_close()
 
     def paths(self, since=0):
-        return [path for path, _ in self.calls[since:]]
+        return [call.path for call in self.calls[since:]]
 
     def bodies(self, path):
-        return [body for p, body in self.calls if p == path]
+        return [call.body for call in self.calls if call.path == path]
 
-    def handle(self, request, body):
+    def handle(self, request, method):
         path = request.path
+        data = request.rfile.read(int(request.headers.get("Content-Length") or 0))
+        body = json.loads(data) if data else None
         with self.lock:
-            self.calls.append((path, body))
-            failure = self.failures.pop(0) if path == "/generate" and self.failures else None
+            index = len(self.calls)
+            self.calls.append(Call(path, body, method))
+        answer = self.answer(request, method, path, body)
+        if answer is None:  # dropped
+            return
+        status, payload = answer
+        with self.lock:
+            self.calls[index] = self.calls[index]._replace(status=status, reply=payload)
+        self.reply(request, payload, status)
+
+    def answer(self, request, method, path, body):
+        """(status, JSON reply) to one request, or None to drop the connection."""
+        if self.routes is not None and (method, path) not in self.routes:
+            if any(known == path for _, known in self.routes):
+                return 405, {"detail": "Method Not Allowed"}
+            return 404, {"detail": "Not Found"}
         if path == "/generate":
+            with self.lock:
+                failure = self.failures.pop(0) if self.failures else None
             time.sleep(self.delay(body) if callable(self.delay) else self.delay)
             if failure == "drop":
                 request.close_connection = True
-                return
+                return None
             failing_prompt = self.fail_prefix and body["input_ids"][: len(self.fail_prefix)] == self.fail_prefix
             if failure in ("500", "400") or failing_prompt:
-                return self.reply(request, {"error": {"message": "boom"}}, int(failure or 500))
-            return self.reply(request, self.generation(body, aborted=failure == "abort"))
+                return int(failure or 500), {"error": {"message": "boom"}}
+            return 200, self.generation(body, aborted=failure == "abort")
         if path == "/model_info":
-            return self.reply(request, {"weight_version": self.version, "model_path": "x"})
+            return 200, {"weight_version": self.version, "model_path": "x"}
         if body and body.get("weight_version") is not None:
             self.version = body["weight_version"]
-        return self.reply(request, {"success": True, "message": "ok"})
+        return 200, {"success": True, "message": "ok"}
 
     def generation(self, body, aborted):
         params = body["sampling_params"]
