@@ -2,8 +2,9 @@
 # Builds the device bundle: wheels of exactly what the lent GPU machine's image lacks, to travel with the working
 # tree (`run`'s carry: 64 MiB with the tree). The image has Python 3.12 with torch 2.11 (CUDA 13), transformers 5.17,
 # lightning 2.6, triton, tensorboard, safetensors, tokenizers, einops, numpy, pyyaml, jinja2, httpx, tqdm, pillow.
-# What Canopy imports beyond that: TorchTitan (and the two of its dependencies its model code imports), Hydra with
-# OmegaConf and its ANTLR runtime, fla-core, matplotlib (train.py's plots) with its compiled dependencies, and
+# What Canopy imports beyond that: TorchTitan (and what its model code imports: spmd_types, torch_checkpointing, tyro
+# with its two dependencies), Hydra with OmegaConf and its ANTLR runtime, fla-core, transformers 5.24 (5.17's model
+# outputs lack the `.cache` the local engine reads), matplotlib (train.py's plots) with its compiled dependencies, and
 # Canopy itself. Versions come from constraints.txt, the set the suite passes with.
 #   bash scripts/device_bundle.sh [DIR]           (default .device-bundle; cp312 manylinux wheels, for the device)
 #   PYTHON_VERSION=3.11 bash scripts/device_bundle.sh .device-bundle-311   (the same set for this machine's Python:

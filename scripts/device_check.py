@@ -23,6 +23,7 @@ of one's own (the project's venv, 8 GPUs, SGLang) the same command runs every pa
 
     bash scripts/device_check.sh                 # on the device (its python: /opt/torch/.venv/bin/python)
     bash scripts/device_check.sh --cpu-dry-run   # every part tiny on the CPU (tests/test_device_check.py)
+    python scripts/device_check.py --report outputs/device_check/summary.json   # as markdown (docs/device_check.md)
 """
 
 import argparse
@@ -56,7 +57,7 @@ class Part:
 
 PARTS = {
     "kernels": Part(90, [["scripts/gpu_check_qwen3_5.py"]]),
-    "train_step": Part(120, [["scripts/device_train_step.py"]]),
+    "train_step": Part(150, [["scripts/device_train_step.py"]]),
     "logprob_head": Part(
         60,
         [
@@ -66,7 +67,7 @@ PARTS = {
         [["bench/logprob_head.py", *DRY_HEAD, "--repeats", "1"]],
     ),
     "engine_gap": Part(60, [["scripts/device_embedded.py", "--part", "gap"]]),
-    "embedded": Part(150, [["scripts/device_embedded.py", "--part", "learn"]]),
+    "embedded": Part(120, [["scripts/device_embedded.py", "--part", "learn"]]),
     "parallel": Part(300, [["scripts/gpu_check_parallel.py", "--timeout", "140"]], gpus=2, multiprocess=True),
     "parallel_qwen3_5": Part(
         240, [["scripts/gpu_check_parallel.py", "--family", "qwen3_5", "--timeout", "110"]], gpus=2, multiprocess=True
@@ -147,6 +148,72 @@ def run_part(name: str, part: Part, out: Path, dry_run: bool, gpus: int) -> dict
     return record
 
 
+def headline(name: str, result) -> str:
+    """One cell of the report: a part's numbers that matter, from its RESULT."""
+    if not result:
+        return ""
+    if name == "kernels":
+        worst = {
+            dtype: max(v for k, v in result.items() if k.endswith(dtype) and k.split()[0] != "ours")
+            for dtype in ("float32", "bfloat16")
+        }
+        mfu = result.get("policy MFU")
+        return (
+            f"largest relative difference fp32 {worst['float32']:.1e}, bf16 {worst['bfloat16']:.1e}; Qwen3.5 "
+            f"policy step {result['policy tokens/s']:,.0f} tokens/s, MFU {mfu}"
+        )
+    if name == "train_step":
+        cells = []
+        for model, r in result.items():
+            mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "n/a"
+            cells.append(
+                f"{model} ({r['params_b']:.2f} B, {r['tokens']:,} tokens): peak {r['measured_gib']['peak']:.2f} GiB "
+                f"(plan / measured {r['plan_over_measured']['peak']:.3f}); bf16 {r['bf16_step_s']:.3f} s, "
+                f"{r['tokens_per_s']:,.0f} tokens/s, MFU {mfu}"
+            )
+        return "<br>".join(cells)
+    if name == "logprob_head":
+        runs = result if isinstance(result, list) else [result]
+        return "<br>".join(
+            f"vocab {run['vocab']:,}: "
+            + ", ".join(
+                f"{row['tokens']:,} tokens {row['chunk_gib']:.2f} GiB (plan / measured "
+                f"{row['plan_gib'] / row['chunk_gib']:.2f})"
+                for row in run["rows"]
+            )
+            for run in runs
+        )
+    if name == "engine_gap":
+        return f"largest gap {result['largest_gap']:.2e} per action token; per step " + ", ".join(
+            f"{gap:.2e}" for gap in result["logprob_gap"]
+        )
+    if name == "embedded":
+        summary = result.get("summary") or {}
+        success = f"; success on the training tasks {summary['base']['all']:.3f} -> {summary['final']['all']:.3f}"
+        return (
+            f"{result['steps']} steps, {result['step_s']:.2f} s per step against {result['cpu_step_s']:.2f} s on the "
+            f"CPU ({result['cpu_over_device']:.1f}x); reward/success first {result['success_first']:.3f}, last "
+            f"{result['success_last']:.3f}" + (success if summary else "")
+        )
+    return json.dumps(result)[:300]
+
+
+def report(summary: dict) -> str:
+    """The summary as a markdown table (docs/device_check.md)."""
+    m = summary["machine"]
+    where = f"{m['gpus']} x {m['gpu']} ({m['gpu_memory_gib']} GiB)" if m["gpus"] else f"CPU dry run, {m['cpus']} CPUs"
+    lines = [
+        f"{m['date']}: {where}, Python {m['python']}, torch {m['torch']}",
+        "",
+        "| part | status | s | numbers |",
+        "|---|---|---|---|",
+    ]
+    for name, part in summary["parts"].items():
+        status = part["status"] if part["status"] != "skipped" else part["reason"]
+        lines.append(f"| {name} | {status} | {part.get('seconds', '')} | {headline(name, part.get('result'))} |")
+    return "\n".join(lines)
+
+
 def machine() -> dict:
     import torch
 
@@ -167,7 +234,10 @@ def main() -> None:
     parser.add_argument("--cpu-dry-run", action="store_true", help="every part tiny on the CPU")
     parser.add_argument("--out", type=Path, default=ROOT / "outputs" / "device_check")
     parser.add_argument("--parts", nargs="+", choices=list(PARTS), default=list(PARTS))
+    parser.add_argument("--report", type=Path, metavar="SUMMARY", help="print a summary.json as markdown, run nothing")
     args = parser.parse_args()
+    if args.report:
+        return print(report(json.loads(args.report.read_text())))
     args.out.mkdir(parents=True, exist_ok=True)
     summary = dict(machine=machine(), dry_run=args.cpu_dry_run, parts={})
     if not args.cpu_dry_run and not summary["machine"]["gpus"]:

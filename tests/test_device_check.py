@@ -58,6 +58,11 @@ def test_the_device_command_dry_run_passes_every_part_in_at_most_8_files(tmp_pat
     assert learn["steps"] == 3 and learn["step_s"] > 0 and learn["cpu_step_s"] > 0
     assert set(learn["summary"]) >= {"base", "final"}
 
+    table = device_check.report(summary).splitlines()  # docs/device_check.md's table
+    rows = {line.split(" | ")[0].lstrip("| "): line for line in table if line.startswith("| ") and "---" not in line}
+    assert set(rows) == {"part", *device_check.PARTS}
+    assert "| train_step | pass |" in rows["train_step"] and "plan / measured" in rows["train_step"]
+
 
 def part(seconds: int, code: str) -> device_check.Part:
     return device_check.Part(seconds, [["-c", code]])
@@ -114,3 +119,8 @@ def test_the_device_bundle_fits_its_limit_and_prints_its_install_line(tmp_path):
     assert size < 40 * 2**20
     assert f"{size / 2**20:.1f} MiB (limit 40 MiB)" in done.stdout
     assert f"--no-index --no-deps --target .device-site {tmp_path / 'bundle'}/*.whl" in done.stdout
+
+
+def test_the_one_gpu_parts_fit_the_lent_machines_8_minutes():
+    one_gpu = [part for part in device_check.PARTS.values() if part.gpus == 1 and not part.python]
+    assert sum(part.seconds for part in one_gpu) <= 8 * 60
