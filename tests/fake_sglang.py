@@ -19,7 +19,6 @@ ROUTES = frozenset(
         ("POST", "/generate"),
         ("POST", "/pause_generation"),
         ("POST", "/continue_generation"),
-        ("POST", "/flush_cache"),
         ("POST", "/update_weights_from_disk"),
         ("POST", "/init_weights_update_group"),
         ("POST", "/begin_weight_update"),

@@ -167,12 +167,11 @@ def test_disk_sync_writes_a_loadable_checkpoint_and_drives_the_servers_in_order(
         assert server.paths(before) == [
             "/pause_generation",
             "/update_weights_from_disk",
-            "/flush_cache",
             "/continue_generation",
             "/model_info",
         ]
         assert server.calls[before][1] == {"mode": "abort"}
-        assert server.calls[before + 1][1] == {"model_path": str(v1), "weight_version": "1"}
+        assert server.calls[before + 1][1] == {"model_path": str(v1), "weight_version": "1", "flush_cache": True}
     shards = sorted(v1.glob("model-*.safetensors"))
     index = json.loads((v1 / "model.safetensors.index.json").read_text())
     assert len(shards) >= 2 and set(index["weight_map"].values()) == {s.name for s in shards}

@@ -14,7 +14,7 @@ trainer scores (`token_logprobs` at the sampling temperature).
 
 Weights reach every server after each optimizer step, then the servers report the new version:
 - disk: safetensors shards + the base config / tokenizer streamed to <sync_dir>/v<version> (staged, renamed),
-  then pause_generation -> update_weights_from_disk -> flush_cache -> continue_generation;
+  then pause_generation -> update_weights_from_disk (which flushes the cache) -> continue_generation;
 - distributed: trainer rank 0 joins the servers' process group once (init_weights_update_group), then
   pause -> begin_weight_update -> update_weights_from_distributed per bucket while broadcasting it -> end -> continue.
 A request still failing after `max_retries` retries comes back as an `EngineFault` (the agent loop quarantines it).
@@ -608,8 +608,10 @@ class SGLangEngine:
                 self.shard_bytes,
             )
             self._for_all("/pause_generation", {"mode": "abort"})
-            self._for_all("/update_weights_from_disk", {"model_path": str(path), "weight_version": str(version)})
-            self._for_all("/flush_cache", {})  # no KV computed by the old weights survives
+            # flush_cache: no KV computed by the old weights survives, and the update fails if the cache cannot be
+            # flushed (requests still running); SGLang's default, stated
+            body = {"model_path": str(path), "weight_version": str(version), "flush_cache": True}
+            self._for_all("/update_weights_from_disk", body)
             self._for_all("/continue_generation", {})
         else:
             self._sync_distributed(self._checked(named_tensors, version), version)
