@@ -56,17 +56,17 @@ class Part:
 
 
 PARTS = {
-    "kernels": Part(90, [["scripts/gpu_check_qwen3_5.py"]]),
+    "kernels": Part(110, [["scripts/gpu_check_qwen3_5.py"]]),
     "train_step": Part(150, [["scripts/device_train_step.py"]]),
     "logprob_head": Part(
-        60,
+        50,
         [
             ["bench/logprob_head.py", *HEAD_TOKENS, "--vocab", "151936", *HEAD],
             ["bench/logprob_head.py", *HEAD_TOKENS, "--vocab", "248320", *HEAD],
         ],
         [["bench/logprob_head.py", *DRY_HEAD, "--repeats", "1"]],
     ),
-    "engine_gap": Part(60, [["scripts/device_embedded.py", "--part", "gap"]]),
+    "engine_gap": Part(50, [["scripts/device_embedded.py", "--part", "gap"]]),
     "embedded": Part(120, [["scripts/device_embedded.py", "--part", "learn"]]),
     "parallel": Part(300, [["scripts/gpu_check_parallel.py", "--timeout", "140"]], gpus=2, multiprocess=True),
     "parallel_qwen3_5": Part(
@@ -123,7 +123,8 @@ def run_part(name: str, part: Part, out: Path, dry_run: bool, gpus: int) -> dict
         return dict(status="skipped", reason=reason)
     seconds = part.seconds * (DRY_RUN_SLACK if dry_run else 1)
     started, log, status = time.monotonic(), "", "pass"
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    # Triton keeps autotuning results on disk, so that fla's kernels are tuned once (kernels), not again per part
+    env = {"TRITON_CACHE_AUTOTUNING": "1", **os.environ, "PYTHONUNBUFFERED": "1"}
     python = os.environ[part.python] if part.python else PY
     if part.python:  # another venv: the checkout on its path (the bundle's site is this python's)
         env["PYTHONPATH"] = str(ROOT)
