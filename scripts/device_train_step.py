@@ -84,8 +84,7 @@ def flops_per_token(hf: dict, seq_len: int) -> tuple[int, float]:
     """(parameters, training FLOPs per token) from TorchTitan's own count, on a meta-device model."""
     from canopy.modules.policy import build_model
 
-    with torch.device("meta"):
-        model = build_model(hf)
+    model = build_model(hf, "meta")
     return model.config.get_nparams_and_flops(model, seq_len)
 
 

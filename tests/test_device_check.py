@@ -124,3 +124,18 @@ def test_the_device_bundle_fits_its_limit_and_prints_its_install_line(tmp_path):
 def test_the_one_gpu_parts_fit_the_lent_machines_8_minutes():
     one_gpu = [part for part in device_check.PARTS.values() if part.gpus == 1 and not part.python]
     assert sum(part.seconds for part in one_gpu) <= 8 * 60
+
+
+def test_random_models_are_built_on_the_device_asked_for():
+    """The training-step part builds its models where it measures them (a model left on the CPU would fail the
+    GPU run, or be measured in the wrong memory)."""
+    import device_train_step
+
+    from canopy.tools.memory_measure import _random_model
+
+    for hf, *_ in device_train_step.CPU_MODELS.values():
+        model = _random_model(hf, "meta")
+        assert {t.device.type for t in [*model.parameters(), *model.buffers()]} == {"meta"}
+    hf = device_train_step.GPU_MODELS["qwen3_5-4b"][0]  # the real shapes, counted without memory
+    params, flops_per_token = device_train_step.flops_per_token(hf, 8192)
+    assert 3.5e9 < params < 4.5e9 and flops_per_token > 4 * params  # 6 N without the embeddings, + attention

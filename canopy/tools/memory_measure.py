@@ -156,8 +156,7 @@ def _random_model(hf: dict, device: str = "cpu") -> torch.nn.Module:
     """The TorchTitan model of config.json `hf`, randomly initialized on `device` in float32 (no checkpoint)."""
     from canopy.modules.policy import build_model
 
-    with torch.device(device):
-        model = build_model(hf)
+    model = build_model(hf, device)
     with torch.no_grad():
         for parameter in model.parameters():
             parameter.normal_(0.0, 0.02)
