@@ -4,8 +4,8 @@
 # lightning 2.6, triton, tensorboard, safetensors, tokenizers, einops, numpy, pyyaml, jinja2, httpx, tqdm, pillow.
 # What Canopy imports beyond that: TorchTitan (and what its model code imports: spmd_types, torch_checkpointing, tyro
 # with its two dependencies), Hydra with OmegaConf and its ANTLR runtime, fla-core, transformers 5.24 (5.17's model
-# outputs lack the `.cache` the local engine reads), matplotlib (train.py's plots) with its compiled dependencies, and
-# Canopy itself. Versions come from constraints.txt, the set the suite passes with.
+# outputs lack the `.cache` the local engine reads) with the huggingface_hub it checks for on import (5.17 accepts
+# hub 1.5, 5.24 needs 1.31), matplotlib (train.py's plots) with its compiled dependencies, and Canopy itself. Versions come from constraints.txt, the set the suite passes with.
 #   bash scripts/device_bundle.sh [DIR]           (default .device-bundle; cp312 manylinux wheels, for the device)
 #   PYTHON_VERSION=3.11 bash scripts/device_bundle.sh .device-bundle-311   (the same set for this machine's Python:
 #                                                  `make device-rehearsal` installs it as the device does)
@@ -19,7 +19,7 @@ ABI=cp${PYTHON_VERSION/./}
 LIMIT_MIB=40
 
 PACKAGES=(torchtitan spmd_types torch_checkpointing tyro docstring-parser typeguard fla-core hydra-core omegaconf
-          transformers matplotlib contourpy cycler fonttools kiwisolver pyparsing python-dateutil)
+          transformers huggingface_hub matplotlib contourpy cycler fonttools kiwisolver pyparsing python-dateutil)
 pinned() {  # the constraints.txt pin of each package (one source of versions)
     for name in "$@"; do
         line=$(grep -i -E "^${name//[-_]/[-_]}==" constraints.txt) || { echo "no pin for $name in constraints.txt" >&2; exit 1; }

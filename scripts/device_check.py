@@ -149,7 +149,7 @@ def run_part(name: str, part: Part, out: Path, dry_run: bool, gpus: int) -> dict
     return record
 
 
-def headline(name: str, result) -> str:
+def headline(name: str, result, dry_run: bool = False) -> str:
     """One cell of the report: a part's numbers that matter, from its RESULT."""
     if not result:
         return ""
@@ -191,9 +191,10 @@ def headline(name: str, result) -> str:
     if name == "embedded":
         summary = result.get("summary") or {}
         success = f"; success on the training tasks {summary['base']['all']:.3f} -> {summary['final']['all']:.3f}"
+        where = "both runs on the CPU" if dry_run else f"{result['cpu_over_device']:.1f}x"
         return (
             f"{result['steps']} steps, {result['step_s']:.2f} s per step against {result['cpu_step_s']:.2f} s on the "
-            f"CPU ({result['cpu_over_device']:.1f}x); reward/success first {result['success_first']:.3f}, last "
+            f"CPU ({where}); reward/success first {result['success_first']:.3f}, last "
             f"{result['success_last']:.3f}" + (success if summary else "")
         )
     return json.dumps(result)[:300]
@@ -211,7 +212,8 @@ def report(summary: dict) -> str:
     ]
     for name, part in summary["parts"].items():
         status = part["status"] if part["status"] != "skipped" else part["reason"]
-        lines.append(f"| {name} | {status} | {part.get('seconds', '')} | {headline(name, part.get('result'))} |")
+        numbers = headline(name, part.get("result"), summary["dry_run"])
+        lines.append(f"| {name} | {status} | {part.get('seconds', '')} | {numbers} |")
     return "\n".join(lines)
 
 

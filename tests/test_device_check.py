@@ -113,6 +113,7 @@ def test_the_device_bundle_fits_its_limit_and_prints_its_install_line(tmp_path):
     wheels = sorted(path.name for path in (tmp_path / "bundle").iterdir())
     names = {wheel.split("-")[0].lower() for wheel in wheels}
     assert {"canopy", "torchtitan", "hydra_core", "omegaconf", "antlr4_python3_runtime", "fla_core"} <= names
+    assert {"transformers", "huggingface_hub"} <= names  # 5.24 for the engine, and the hub it checks for
     assert not names & {"torch", "lightning", "triton", "tokenizers", "safetensors"}, "the device has these"
     assert all("cp312" in wheel or "py3-none-any" in wheel or "abi3" in wheel for wheel in wheels), wheels
     size = sum(path.stat().st_size for path in (tmp_path / "bundle").iterdir())
