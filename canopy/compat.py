@@ -8,14 +8,18 @@ torch the name stands in for the import alone, and a run of several processes is
 it imports nothing.
 """
 
-from importlib.metadata import version
+from importlib.metadata import PackageNotFoundError, version
 
 MULTIPROCESS_TORCH = (2, 13)
 
 
-def torch_version() -> tuple[int, int]:
-    """(major, minor) of the installed torch, read from its metadata (without importing it)."""
-    major, minor = version("torch").split(".")[:2]
+def torch_version() -> tuple[int, int] | None:
+    """(major, minor) of the installed torch, read from its metadata (without importing it); None without torch
+    (the stdlib-only sandbox and AppWorld interpreters import `canopy` too)."""
+    try:
+        major, minor = version("torch").split(".")[:2]
+    except PackageNotFoundError:
+        return None
     return int(major), int(minor)
 
 
@@ -38,7 +42,7 @@ def let_torchtitan_import(fsdp=None) -> bool:
     """On torch < 2.13, give `torch.distributed.fsdp` (or `fsdp`) the one name TorchTitan imports from it; True if
     it was added."""
     if fsdp is None:
-        if torch_version() >= MULTIPROCESS_TORCH:
+        if torch_version() is None or torch_version() >= MULTIPROCESS_TORCH:
             return False
         import torch.distributed.fsdp as fsdp
     if hasattr(fsdp, "DataParallelMeshDims"):

@@ -44,3 +44,23 @@ def test_train_refuses_fsdp_on_an_older_torch_before_building_anything(monkeypat
         build_strategy(cfg)
     cfg.parallelism.dp_shard = 1
     assert build_strategy(cfg) == "auto"
+
+
+def test_an_interpreter_without_torch_imports_canopy(tmp_path):
+    """The sandbox runner and AppWorld's venv import `canopy` on interpreters without torch."""
+    import subprocess
+    import sys
+
+    probe = "import canopy, canopy.compat as c; print(c.torch_version(), c.let_torchtitan_import())"
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-S",
+            "-c",
+            f"import sys; sys.path.insert(0, {str(compat.__file__.rsplit('/', 2)[0])!r}); {probe}",
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["None", "False"]

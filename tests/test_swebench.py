@@ -585,6 +585,7 @@ def test_bwrap_runs_rootless(generated):
         code = folder / "code"  # the runtime's stdlib-only modules, where nobody can read them (the checkout may not)
         for module in (
             "canopy/__init__.py",
+            "canopy/compat.py",
             "canopy/envs/__init__.py",
             "canopy/envs/runtimes.py",
             "tests/rootless_probe.py",
