@@ -199,6 +199,7 @@ def main(rank: int, world: int, port: int, path: str, dp: int, cp: int, out: str
             },
             f,
         )
+    dist.barrier()  # no rank tears gloo down while a peer's last collective is in flight
     dist.destroy_process_group()
 
 
