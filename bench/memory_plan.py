@@ -8,57 +8,20 @@ family; tests/test_memory_plan.py holds each term to 15%.
 import json
 
 from canopy.memory import TrainerLayout, model_shape, trainer_plan
-from canopy.tools.memory_measure import measure_training_step
+from canopy.tools.memory_measure import measure_training_step, qwen3_5_config, qwen3_config
 
 MEASURED_TERMS = ("weights", "reference", "gradients", "optimizer", "activations", "logprob head", "peak")
-
-
-def qwen3(hidden, intermediate, heads, kv_heads, head_dim, layers, vocab) -> dict:
-    return dict(
-        model_type="qwen3",
-        hidden_size=hidden,
-        intermediate_size=intermediate,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        head_dim=head_dim,
-        num_hidden_layers=layers,
-        vocab_size=vocab,
-        max_position_embeddings=8192,
-        tie_word_embeddings=False,
-    )
-
-
-def qwen3_5(hidden, intermediate, layers, vocab) -> dict:
-    return dict(
-        model_type="qwen3_5_text",
-        hidden_size=hidden,
-        intermediate_size=intermediate,
-        num_hidden_layers=layers,
-        layer_types=(["linear_attention"] * 3 + ["full_attention"]) * (layers // 4),
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        linear_key_head_dim=16,
-        linear_value_head_dim=16,
-        linear_conv_kernel_dim=4,
-        vocab_size=vocab,
-        max_position_embeddings=2048,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
-        tie_word_embeddings=False,
-    )
 
 
 # (config.json, checkpointing, micro-batch tokens, rows x sequence length, head chunk): the first is dominated by
 # the logprob head, the others by a layer's backward
 CASES = {
-    "head-bound": (qwen3(128, 384, 4, 2, 32, 4, 4000), "none", 1024, (4, 512), 256),
-    "wide-ffn-full": (qwen3(64, 1024, 4, 2, 16, 3, 500), "full", 1024, (4, 512), 256),
-    "wide-selective": (qwen3(256, 512, 8, 4, 32, 2, 300), "selective", 512, (4, 256), 128),
-    "long-rows-full": (qwen3(128, 256, 4, 2, 32, 2, 8000), "full", 2048, (2, 1024), 512),
-    "qwen3_5-none": (qwen3_5(64, 256, 4, 300), "none", 512, (2, 256), 128),
-    "qwen3_5-selective": (qwen3_5(64, 256, 4, 300), "selective", 512, (2, 256), 128),
+    "head-bound": (qwen3_config(128, 384, 4, 2, 32, 4, 4000), "none", 1024, (4, 512), 256),
+    "wide-ffn-full": (qwen3_config(64, 1024, 4, 2, 16, 3, 500), "full", 1024, (4, 512), 256),
+    "wide-selective": (qwen3_config(256, 512, 8, 4, 32, 2, 300), "selective", 512, (4, 256), 128),
+    "long-rows-full": (qwen3_config(128, 256, 4, 2, 32, 2, 8000), "full", 2048, (2, 1024), 512),
+    "qwen3_5-none": (qwen3_5_config(64, 256, 4, 300), "none", 512, (2, 256), 128),
+    "qwen3_5-selective": (qwen3_5_config(64, 256, 4, 300), "selective", 512, (2, 256), 128),
 }
 
 

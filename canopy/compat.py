@@ -42,7 +42,8 @@ def let_torchtitan_import(fsdp=None) -> bool:
     """On torch < 2.13, give `torch.distributed.fsdp` (or `fsdp`) the one name TorchTitan imports from it; True if
     it was added."""
     if fsdp is None:
-        if torch_version() is None or torch_version() >= MULTIPROCESS_TORCH:
+        have = torch_version()
+        if have is None or have >= MULTIPROCESS_TORCH:
             return False
         import torch.distributed.fsdp as fsdp
     if hasattr(fsdp, "DataParallelMeshDims"):

@@ -23,60 +23,27 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from canopy.memory import TrainerLayout, model_shape, trainer_plan  # noqa: E402
-from canopy.tools.memory_measure import measure_training_step  # noqa: E402
+from canopy.tools.memory_measure import measure_training_step, qwen3_5_config, qwen3_config  # noqa: E402
 
 GIB = 2**30
 H200_BF16_PEAK = 989e12
 TERMS = ("weights", "gradients", "optimizer", "reference", "activations", "logprob head", "peak")
 
 
-def qwen3(hidden, intermediate, heads, kv_heads, head_dim, layers, vocab) -> dict:
-    return dict(
-        model_type="qwen3",
-        hidden_size=hidden,
-        intermediate_size=intermediate,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        head_dim=head_dim,
-        num_hidden_layers=layers,
-        vocab_size=vocab,
-        max_position_embeddings=40960,
-        rope_theta=1000000.0,
-        tie_word_embeddings=False,
-    )
-
-
-def qwen3_5(hidden, intermediate, heads, kv_heads, head_dim, linear_heads, layers, vocab) -> dict:
-    key_heads, value_heads, linear_dim = linear_heads
-    return dict(
-        model_type="qwen3_5_text",
-        hidden_size=hidden,
-        intermediate_size=intermediate,
-        num_hidden_layers=layers,
-        layer_types=(["linear_attention"] * 3 + ["full_attention"]) * (layers // 4),
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        head_dim=head_dim,
-        linear_num_key_heads=key_heads,
-        linear_num_value_heads=value_heads,
-        linear_key_head_dim=linear_dim,
-        linear_value_head_dim=linear_dim,
-        linear_conv_kernel_dim=4,
-        vocab_size=vocab,
-        max_position_embeddings=131072,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
-        tie_word_embeddings=False,
-    )
-
-
+# the released models' context and RoPE (no effect on memory or speed; kept as the real configs have them)
+QWEN3 = dict(max_position_embeddings=40960, rope_theta=1000000.0)
+QWEN3_5 = dict(
+    max_position_embeddings=131072,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+)
 # name: (config.json, rows, sequence length, head chunk)
 GPU_MODELS = {
-    "qwen3-1.7b": (qwen3(2048, 6144, 16, 8, 128, 28, 151936), 2, 8192, 2048),
-    "qwen3_5-4b": (qwen3_5(2560, 9216, 16, 4, 256, (16, 32, 128), 24, 248320), 1, 8192, 2048),
+    "qwen3-1.7b": (qwen3_config(2048, 6144, 16, 8, 128, 28, 151936, **QWEN3), 2, 8192, 2048),
+    "qwen3_5-4b": (qwen3_5_config(2560, 9216, 24, 248320, 16, 4, 256, (16, 32, 128), **QWEN3_5), 1, 8192, 2048),
 }
 CPU_MODELS = {
-    "qwen3-tiny": (qwen3(64, 192, 4, 2, 16, 2, 512), 2, 128, 64),
-    "qwen3_5-tiny": (qwen3_5(64, 192, 4, 2, 16, (2, 4, 16), 4, 512), 1, 128, 64),
+    "qwen3-tiny": (qwen3_config(64, 192, 4, 2, 16, 2, 512, **QWEN3), 2, 128, 64),
+    "qwen3_5-tiny": (qwen3_5_config(64, 192, 4, 512, **QWEN3_5), 1, 128, 64),
 }
 
 

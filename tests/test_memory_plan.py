@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench.memory_plan import CASES, compare, qwen3
+from bench.memory_plan import CASES, compare
 from canopy.config import ConfigError
 from canopy.memory import (
     GIB,
@@ -21,7 +21,7 @@ from canopy.memory import (
     sglang_plan,
     trainer_plan,
 )
-from canopy.tools.memory_measure import measure
+from canopy.tools.memory_measure import measure, qwen3_config
 from canopy.tools.memory_plan import compose_config, plans, render
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -55,7 +55,7 @@ def test_tensor_and_sequence_parallel_split_what_they_shard():
     """Full checkpointing keeps each layer's input, which sequence parallelism splits over TP (and CP over its
     ranks); without sequence parallelism the input stays whole. The head's buffers shrink with the vocabulary
     shard."""
-    shape = model_shape(json.dumps(qwen3(128, 384, 4, 2, 32, 4, 4000), sort_keys=True))
+    shape = model_shape(json.dumps(qwen3_config(128, 384, 4, 2, 32, 4, 4000), sort_keys=True))
     base = dict(activation_checkpointing="full", micro_batch_tokens=4096, max_context_tokens=4096)
     one = trainer_plan(shape, TrainerLayout(**base, dp_shard=2))
     tp = trainer_plan(shape, TrainerLayout(**base, dp_shard=2, tp=2))

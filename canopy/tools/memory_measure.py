@@ -51,6 +51,44 @@ def measure(work: Callable[[], object], device: torch.device | str = "cpu") -> t
     return result, Measured(peak=peak, end=live)
 
 
+def qwen3_config(hidden, intermediate, heads, kv_heads, head_dim, layers, vocab, **extra) -> dict:
+    """config.json of a random Qwen3 of this shape (for `measure_training_step` and the plan); `extra` overrides."""
+    shape = dict(
+        model_type="qwen3",
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        num_hidden_layers=layers,
+        vocab_size=vocab,
+        max_position_embeddings=8192,
+        tie_word_embeddings=False,
+    )
+    return shape | extra
+
+
+def qwen3_5_config(
+    hidden, intermediate, layers, vocab, heads=4, kv_heads=2, head_dim=16, linear_heads=(2, 4, 16), **extra
+) -> dict:
+    """config.json of a random Qwen3.5 text model: Qwen3's attention and FFN shapes, with three Gated DeltaNet layers
+    to each full-attention one; `linear_heads` = (key heads, value heads, head dim) of the Gated DeltaNet; `extra`
+    overrides."""
+    key_heads, value_heads, linear_dim = linear_heads
+    gated_delta = dict(
+        model_type="qwen3_5_text",
+        layer_types=(["linear_attention"] * 3 + ["full_attention"]) * (layers // 4),
+        linear_num_key_heads=key_heads,
+        linear_num_value_heads=value_heads,
+        linear_key_head_dim=linear_dim,
+        linear_value_head_dim=linear_dim,
+        linear_conv_kernel_dim=4,
+        max_position_embeddings=2048,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+    )
+    return qwen3_config(hidden, intermediate, heads, kv_heads, head_dim, layers, vocab) | gated_delta | extra
+
+
 def measure_training_step(
     hf: dict,
     layout,
