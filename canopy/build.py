@@ -66,6 +66,7 @@ def build_engine(cfg: DictConfig, model_path: str, tokenizer):
             rope_scaling=rope_scaling,
             dtype=cfg.engine.dtype,
             device=cfg.engine.device,
+            session_tokens=cfg.engine.session_tokens,
         )
     if cfg.engine.name == "sglang":
         settings = SGLangSettings(**OmegaConf.to_container(cfg.engine.sglang, resolve=True))

@@ -220,6 +220,10 @@ def validate(cfg: DictConfig) -> None:
             cfg.engine.device in ("cpu", "cuda") or str(cfg.engine.device).startswith("cuda:"),
             f"engine.device={cfg.engine.device!r} is unknown: use cpu, cuda or cuda:N",
         )
+        require(
+            is_int(cfg.engine.session_tokens) and cfg.engine.session_tokens >= 0,
+            f"engine.session_tokens={cfg.engine.session_tokens!r} must be an integer >= 0 (0: no sessions kept)",
+        )
 
 
 def validate_eval(cfg: DictConfig) -> None:

@@ -16,7 +16,10 @@ class ScriptedEngine:
     def update_weights(self, state, version):
         self.weight_version = version
 
-    def generate(self, prompts, max_new_tokens, sampling):
+    def release(self, keys):
+        """Nothing is kept between turns."""
+
+    def generate(self, prompts, max_new_tokens, sampling, keys=None):
         self.calls.append(([list(p) for p in prompts], list(max_new_tokens)))
         text = self.replies[min(len(self.calls) - 1, len(self.replies) - 1)]
         ids = self.tokenizer.encode(text, add_special_tokens=False) + ([self.im_end] if self.close_turns else [])

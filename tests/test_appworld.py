@@ -59,7 +59,10 @@ class ScriptEngine:
         self.tokenizer, self.scripts = tokenizer, scripts
         self.im_start, self.im_end = (tokenizer.convert_tokens_to_ids(t) for t in ("<|im_start|>", "<|im_end|>"))
 
-    def generate(self, prompts, max_new_tokens, sampling):
+    def release(self, keys):
+        """Nothing is kept between turns."""
+
+    def generate(self, prompts, max_new_tokens, sampling, keys=None):
         out = []
         for prompt, limit in zip(prompts, max_new_tokens):
             text = self.tokenizer.decode(prompt)

@@ -110,7 +110,7 @@ class TurnScriptedEngine(ScriptedEngine):
         super().__init__(tokenizer, ["login", "key", "unlock", "open"])
         self.assistant = tokenizer.convert_tokens_to_ids("assistant")
 
-    def generate(self, prompts, max_new_tokens, sampling):
+    def generate(self, prompts, max_new_tokens, sampling, keys=None):
         out = []
         for prompt, limit in zip(prompts, max_new_tokens):
             self.calls = [None] * (prompt.count(self.assistant) - 1)  # the k-th turn gets replies[k - 1]

@@ -242,12 +242,12 @@ class NodeRemovingEngine(ScriptedEngine):
         super().__init__(tokenizer, ["hello"])
         self.cluster, self.node, self.env, self.removed = cluster, node, env, False
 
-    def generate(self, prompts, max_new_tokens, sampling):
+    def generate(self, prompts, max_new_tokens, sampling, keys=None):
         victim = next(n for n in self.env.nodes if n.node_id == self.node.node_id)
         if not self.removed and victim.open > 0:
             self.cluster.remove_node(self.node)
             self.removed = True
-        return super().generate(prompts, max_new_tokens, sampling)
+        return super().generate(prompts, max_new_tokens, sampling, keys)
 
 
 @pytest.mark.slow

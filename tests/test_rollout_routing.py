@@ -140,7 +140,10 @@ class RecordingEngine:
         self.tokenizer, self.weight_version, self.batches = tokenizer, 0, []
         self.reply = tokenizer.encode("go", add_special_tokens=False) + [tokenizer.convert_tokens_to_ids("<|im_end|>")]
 
-    def generate(self, prompts, max_new_tokens, sampling):
+    def release(self, keys):
+        """Nothing is kept between turns."""
+
+    def generate(self, prompts, max_new_tokens, sampling, keys=None):
         self.batches.append([self.tokenizer.decode(p).split("episode ")[1].split("<")[0] for p in prompts])
         from canopy.rollout.engine import Generation
 

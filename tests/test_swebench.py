@@ -103,7 +103,10 @@ class TaskScriptedEngine:
         self.tokenizer, self.scripts, self.weight_version, self.dtype = tokenizer, scripts, 0, "float32"
         self.im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
 
-    def generate(self, prompts, max_new_tokens, sampling):
+    def release(self, keys):
+        """Nothing is kept between turns."""
+
+    def generate(self, prompts, max_new_tokens, sampling, keys=None):
         out = []
         for prompt, limit in zip(prompts, max_new_tokens):
             text = self.tokenizer.decode(prompt)

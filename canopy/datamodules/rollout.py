@@ -454,6 +454,7 @@ class RolloutDataModule(L.LightningDataModule):
         adaptive = isinstance(self.group_size, AdaptiveGroups)
         sizes = self.group_size.sizes(tasks) if adaptive else [self.group_size] * len(tasks)
         jobs = [(task, i) for task, n in zip(tasks, sizes) for i in range(n)]
+        counted = Counter(getattr(self.engine, "counters", {}))  # the local engine's prefill / decode / session counts
         trajectories, timings = run_episodes(
             self.engine,
             self.env,
@@ -484,5 +485,7 @@ class RolloutDataModule(L.LightningDataModule):
         batch.metrics = {**rollout_metrics(trajectories, self.reward), **coverage}
         batch.stats = StepStats.of(trajectories, sizes)
         batch.metrics.update({f"time/{k}": v for k, v in timings.items()})
+        counts = Counter(getattr(self.engine, "counters", {}))
+        batch.metrics.update({f"engine/{k}": counts[k] - counted[k] for k in counts})
         self.step += 1
         return batch

@@ -7,6 +7,7 @@ generate -> step loop (`run_episodes`), so environment steps overlap generation.
 """
 
 import functools
+import itertools
 import threading
 import time
 from collections import deque
@@ -145,9 +146,13 @@ def run_episodes(
       local one) gets whatever requests are pending when it is free (`_Gatherer`, run in this thread);
     - an in-process environment with a batch-at-a-time engine: in this thread, every live episode's request in one
       batch per turn, in job order, as before (a seeded run samples exactly as it did).
+    Requests carry their episode's key (`keys=`): SGLang routes an episode's turns to one server, the local engine
+    keeps its cache between them; `engine.release` drops what the engine keeps of an episode once it has ended.
     The first error of any episode stops the others and is raised.
     """
     started = time.perf_counter()
+    rollout = next(_rollouts)
+    keys = [f"rollout{rollout}-episode{i}" for i in range(len(jobs))]
     im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
     trajectories = [Trajectory(task, sample_index, [], [], [], 0) for task, sample_index in jobs]
     pooled = getattr(env, "max_concurrent_episodes", None)
@@ -159,11 +164,12 @@ def run_episodes(
 
     try:
         if pooled is None and not getattr(engine, "concurrent", False):
-            generation_seconds = _run_in_turns(engine, sampling, episode, len(jobs), limit, progress)
+            generation_seconds = _run_in_turns(engine, sampling, episode, keys, limit, progress)
         else:
-            generation_seconds = _run_in_threads(engine, sampling, episode, len(jobs), limit, progress)
+            generation_seconds = _run_in_threads(engine, sampling, episode, keys, limit, progress)
     finally:
         progress.close()
+        engine.release(keys)  # what an episode that failed left behind
     wall = time.perf_counter() - started
     return trajectories, {"generation": generation_seconds, "env": wall - generation_seconds}
 
@@ -182,11 +188,11 @@ def _episode(env, tokenizer, trajectory: Trajectory, seed: int, budget: Budget, 
         raise
 
 
-def _run_in_turns(engine, sampling: SamplingParams, episode, count: int, limit: int, progress) -> float:
+def _run_in_turns(engine, sampling: SamplingParams, episode, keys: list[str], limit: int, progress) -> float:
     """Drive the episodes in this thread: one engine call per turn with every live episode's request, in job
     order; an ended episode's place goes to the next job. Returns the seconds spent generating."""
     waiting: dict[int, tuple] = {}  # index -> (its coroutine, its request)
-    queue, busy = deque(range(count)), 0.0
+    queue, busy = deque(range(len(keys))), 0.0
 
     def admit():
         while queue and len(waiting) < limit:
@@ -202,7 +208,8 @@ def _run_in_turns(engine, sampling: SamplingParams, episode, count: int, limit: 
         while waiting:
             order = sorted(waiting)
             began = time.perf_counter()
-            outputs = engine.generate([waiting[i][1][0] for i in order], [waiting[i][1][1] for i in order], sampling)
+            prompts, limits = [waiting[i][1][0] for i in order], [waiting[i][1][1] for i in order]
+            outputs = engine.generate(prompts, limits, sampling, keys=[keys[i] for i in order])
             busy += time.perf_counter() - began
             for index, output in zip(order, outputs):
                 coroutine = waiting[index][0]
@@ -210,6 +217,7 @@ def _run_in_turns(engine, sampling: SamplingParams, episode, count: int, limit: 
                     waiting[index] = (coroutine, coroutine.send(output))
                 except StopIteration:
                     del waiting[index]
+                    engine.release([keys[index]])
                     progress.update(1)
             admit()
     finally:
@@ -218,13 +226,13 @@ def _run_in_turns(engine, sampling: SamplingParams, episode, count: int, limit: 
     return busy
 
 
-def _run_in_threads(engine, sampling: SamplingParams, episode, count: int, limit: int, progress) -> float:
+def _run_in_threads(engine, sampling: SamplingParams, episode, keys: list[str], limit: int, progress) -> float:
     """Drive each episode in a thread of its own (at most `limit` at once). Returns the seconds during which a
     generation was under way."""
     if getattr(engine, "concurrent", False):
-        requests = _Direct(engine, sampling)
+        requests = _Direct(engine, sampling, keys)
     else:
-        requests = _Gatherer(engine, sampling, total=count)
+        requests = _Gatherer(engine, sampling, keys)
 
     def drive(index: int) -> None:
         coroutine = episode(index)
@@ -239,17 +247,21 @@ def _run_in_threads(engine, sampling: SamplingParams, episode, count: int, limit
             coroutine.close()
             raise
         finally:
+            engine.release([keys[index]])
             requests.finished()
             progress.update(1)
 
     with ThreadPoolExecutor(max_workers=limit, thread_name_prefix="episode") as executor:
-        futures = [executor.submit(drive, i) for i in range(count)]
+        futures = [executor.submit(drive, i) for i in range(len(keys))]
         requests.serve()
     errors = [f.exception() for f in futures if f.exception() is not None]
     first = next((e for e in errors if not isinstance(e, _Stopped)), errors[0] if errors else None)
     if first is not None:
         raise first
     return requests.busy_seconds
+
+
+_rollouts = itertools.count()  # numbers each rollout, so that episode keys never repeat in a process
 
 
 class _Stopped(RuntimeError):
@@ -260,10 +272,9 @@ class _Direct:
     """Each episode's request straight to a concurrent engine, keyed by the episode for sticky routing; tracks the
     wall time during which at least one request was in flight."""
 
-    def __init__(self, engine, sampling: SamplingParams):
-        self.engine, self.sampling, self.stopped = engine, sampling, threading.Event()
+    def __init__(self, engine, sampling: SamplingParams, keys: list[str]):
+        self.engine, self.sampling, self.keys, self.stopped = engine, sampling, keys, threading.Event()
         self.lock, self.in_flight, self.since, self.busy_seconds = threading.Lock(), 0, 0.0, 0.0
-        self.key = f"{id(self):x}"
 
     def generate(self, index: int, prompt: list[int], limit: int):
         if self.stopped.is_set():
@@ -273,7 +284,7 @@ class _Direct:
                 self.since = time.perf_counter()
             self.in_flight += 1
         try:
-            (generation,) = self.engine.generate([prompt], [limit], self.sampling, keys=[f"{self.key}-{index}"])
+            (generation,) = self.engine.generate([prompt], [limit], self.sampling, keys=[self.keys[index]])
             return generation
         finally:
             with self.lock:
@@ -296,8 +307,8 @@ class _Gatherer:
     pending when the engine is free makes a batch, run in the caller's thread (`serve`; torch keeps its thread
     pool)."""
 
-    def __init__(self, engine, sampling: SamplingParams, total: int):
-        self.engine, self.sampling, self.remaining = engine, sampling, total
+    def __init__(self, engine, sampling: SamplingParams, keys: list[str]):
+        self.engine, self.sampling, self.keys, self.remaining = engine, sampling, keys, len(keys)
         self.lock = threading.Lock()
         self.work = threading.Condition(self.lock)  # `serve` waits here for requests
         self.delivered = threading.Condition(self.lock)  # the episodes wait here for their results
@@ -332,7 +343,8 @@ class _Gatherer:
                 began = time.perf_counter()
                 try:
                     prompts, limits = [p for _, (p, _) in batch], [n for _, (_, n) in batch]
-                    outputs = self.engine.generate(prompts, limits, self.sampling)
+                    keys = [self.keys[i] for i, _ in batch]
+                    outputs = self.engine.generate(prompts, limits, self.sampling, keys=keys)
                 except BaseException as error:
                     outputs = [error] * len(batch)
                 finally:

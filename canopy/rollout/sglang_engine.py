@@ -469,6 +469,12 @@ class SGLangEngine:
         ]
         return [future.result() for future in futures]
 
+    def release(self, keys: Iterable[str]) -> None:
+        """These episodes ended: forget their routes."""
+        with self.lock:
+            for key in keys:
+                self.routes.pop(key, None)
+
     def request_body(self, prompt: list[int], max_new_tokens: int, sampling: SamplingParams) -> dict:
         return {
             "input_ids": list(prompt),

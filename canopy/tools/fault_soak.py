@@ -110,7 +110,10 @@ class SoakAgent:
             code = f"submit({job.task.spec['answer']!r})"
         return f"```python\n{code}\n```"
 
-    def generate(self, prompts, max_new_tokens, sampling) -> list[Generation]:
+    def release(self, keys):
+        """Nothing is kept between turns."""
+
+    def generate(self, prompts, max_new_tokens, sampling, keys=None) -> list[Generation]:
         out = []
         for prompt, limit in zip(prompts, max_new_tokens):
             text = self.tokenizer.decode(prompt)
