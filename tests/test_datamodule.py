@@ -8,7 +8,7 @@ from canopy.envs.base import Task, Verdict
 from canopy.envs.embedded import EmbeddedEnvironment
 from canopy.objective import group_advantages
 from canopy.rollout.agent_loop import Budget, Trajectory
-from canopy.rollout.engine import SamplingParams
+from canopy.rollout.engine import LocalEngine, SamplingParams
 from tests.scripted import ScriptedEngine
 
 BUDGET = Budget(
@@ -126,6 +126,19 @@ def test_next_batch_runs_groups_and_logs_metrics(tokenizer):
     assert m["rollout/episodes"] == 12 and m["rollout/quarantined"] == 0
     assert 0.0 <= m["reward/success"] <= 1.0 and "time/generation" in m and "rollout/turns" in m
     assert batch.input_ids.shape[1] == int(batch.lengths.max())
+
+
+def test_the_local_engines_counts_are_logged_per_step(tiny_path, tokenizer):
+    """engine/*: what this step's rollout prefilled and decoded, and how many turns continued a session."""
+    stops = [tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    engine = LocalEngine(tiny_path, stops, tokenizer.pad_token_id, seed=0)
+    dm = datamodule(tokenizer, engine, tasks_per_step=2, group_size=2)
+    batches = iter(dm.train_dataloader())
+    first, second = next(batches).metrics, next(batches).metrics
+    for m in (first, second):
+        assert m["engine/prefill_tokens"] > 0 and m["engine/decode_tokens"] > 0
+    assert first["engine/prefill_tokens"] + second["engine/prefill_tokens"] == engine.counters["prefill_tokens"]
+    assert first.get("engine/session_hits", 0) + second.get("engine/session_hits", 0) == engine.counters["session_hits"]
 
 
 def test_injected_faults_are_quarantined_and_scored_as_the_variant_says(tokenizer):
