@@ -303,7 +303,7 @@ class LocalEngine:
         self.release(list(self.sessions))
         self.siblings.clear()
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def generate(
         self,
         prompts: list[list[int]],
