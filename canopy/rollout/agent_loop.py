@@ -19,6 +19,8 @@ from tqdm.auto import tqdm
 from canopy.envs.base import AgentFailure, Environment, EnvironmentFault, Episode, Task, Verdict
 from canopy.rollout.engine import EngineFault, SamplingParams
 
+_rollouts = itertools.count()  # numbers each rollout, so that episode keys never repeat in a process
+
 
 @dataclass(frozen=True)
 class Budget:
@@ -259,9 +261,6 @@ def _run_in_threads(engine, sampling: SamplingParams, episode, keys: list[str], 
     if first is not None:
         raise first
     return requests.busy_seconds
-
-
-_rollouts = itertools.count()  # numbers each rollout, so that episode keys never repeat in a process
 
 
 class _Stopped(RuntimeError):
