@@ -12,8 +12,10 @@ variant alike (the first round, while the writers' processes start, is not count
 
 each for the writer as it was (`thread`: a thread of the training process at its priority) and as it is (`process`:
 a process of its own at idle priority, the same `Writer` code). Printed: each variant's step time over `none`'s in
-the same round (geometric mean over rounds, 95% interval), how many steps' logs the busy writer wrote per step, and
-what handing a step over costs the training process itself (pickling its episodes).
+the same round (geometric mean over rounds, 95% interval), how many steps' logs the busy writer wrote per step, what
+handing a step over costs the training process itself (its episodes as builtins, pickled), and the peak memory (RSS)
+of the trajectory writer process and of a rollout viewer build (`python -m canopy.tools.viewer`, as the callback
+runs it) beside the training process's own.
 
 End to end (`--end-to-end`): two `train.py` runs of the same seed switch the logs and the viewer on and off every
 `--block` steps, in opposite phase, so that each step is timed against the same step of the other run, which ran the
@@ -33,7 +35,9 @@ import argparse
 import dataclasses
 import math
 import multiprocessing
+import pickle
 import queue
+import resource
 import shutil
 import statistics
 import subprocess
@@ -41,7 +45,6 @@ import sys
 import tempfile
 import threading
 import time
-from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 
 import lightning as L
@@ -63,23 +66,26 @@ from canopy.trajectories import INDEX, Sampling, TrajectoryLog, read_index  # no
 DESIGNS = ("thread", "process")  # the writer as it was (a thread of the training process), and as it is
 
 
-def step_episodes(groups, advantages) -> list:
-    """A step's episodes as the trajectory log hands them to its writer: (group, trajectory, advantage)."""
-    return [(g, t, (advantages or {}).get(id(t))) for g, group in enumerate(groups) for t in group]
+def step_episodes(groups, advantages, reward_kind: str) -> list[dict]:
+    """A step's episodes as the trajectory log hands them to its writer (`plain_episode`)."""
+    advantages = advantages or {}
+    return [
+        trajectories.plain_episode(g, t, advantages.get(id(t)), reward_kind) for g, ts in enumerate(groups) for t in ts
+    ]
 
 
 class Capture:
-    """Stands in for the trajectory log to keep one step's episodes."""
+    """Stands in for the trajectory log to keep one step's groups."""
 
     def log_step(self, stream, step, groups, advantages=None):
-        self.episodes = step_episodes(groups, advantages)
+        self.groups, self.advantages = groups, advantages
 
 
 class ThreadLog:
     """The trajectory log as it was: the same `Writer`, on a thread of the training process at its priority."""
 
-    def __init__(self, writer: trajectories.Writer):
-        self.writer, self.steps = writer, queue.Queue()
+    def __init__(self, writer: trajectories.Writer, reward_kind: str):
+        self.writer, self.reward_kind, self.steps = writer, reward_kind, queue.Queue()
         threading.Thread(target=self.work, daemon=True).start()
 
     def work(self) -> None:
@@ -88,10 +94,30 @@ class ThreadLog:
             self.steps.task_done()
 
     def log_step(self, stream, step, groups, advantages=None):
-        self.steps.put((stream, step, step_episodes(groups, advantages)))
+        self.steps.put((stream, step, step_episodes(groups, advantages, self.reward_kind)))
 
     def wait(self) -> None:
         self.steps.join()
+
+
+def peak_rss_mb(pid: int) -> float:
+    """A live process's peak resident memory so far (Linux's VmHWM), in MB."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(status.split("VmHWM:")[1].split()[0]) / 1024
+
+
+VIEWER_PEAK = """
+import runpy, sys
+runpy.run_module("canopy.tools.viewer", run_name="__main__", alter_sys=True)
+print(open("/proc/self/status").read().split("VmHWM:")[1].split()[0])
+"""
+
+
+def viewer_rss_mb(run_dir: Path) -> float:
+    """The peak resident memory (MB) of one rollout viewer build of `run_dir` (`python -m canopy.tools.viewer`, as
+    the callback runs it), as it reads it itself at its end (a child's rusage counts its parent's memory at fork)."""
+    build = [sys.executable, "-c", VIEWER_PEAK, str(run_dir), "5", "4000"]
+    return int(subprocess.run(build, cwd=ROOT, check=True, capture_output=True, text=True).stdout.split()[-1]) / 1024
 
 
 def wait_for_index(log: TrajectoryLog, lines: int) -> None:
@@ -128,19 +154,28 @@ def in_process(args) -> None:
     def writer(name: str) -> trajectories.Writer:
         """A writer of its own folder, pruned as it grows (unsaid: the busy ones write hundreds of steps)."""
         (out / name).mkdir()
-        made = trajectories.Writer(out / name, datamodule.tokenizer, Sampling(max_disk_mb=20), cfg.algorithm.reward)
+        made = trajectories.Writer(
+            out / name, trajectories.writer_decoder(datamodule.tokenizer), Sampling(max_disk_mb=20)
+        )
         made.pruned_said = True
         return made
 
     one_step = {
-        "thread": ThreadLog(writer("one_step_thread")),
-        "process": TrajectoryLog(out / "one_step_process", datamodule.tokenizer, model_path, Sampling(), "sparse"),
+        "thread": ThreadLog(writer("one_step_thread"), cfg.algorithm.reward),
+        "process": TrajectoryLog(
+            out / "one_step_process" / "trajectories",
+            datamodule.tokenizer,
+            model_path,
+            Sampling(),
+            cfg.algorithm.reward,
+        ),
     }
     context = multiprocessing.get_context("spawn")
     go = {"thread": threading.Event(), "process": context.Event()}
     working = {design: context.Value("i", 0) for design in DESIGNS}
     written = {design: context.Value("i", 0) for design in DESIGNS}
-    busy = {d: (writer(f"busy_{d}"), capture.episodes, go[d], working[d], written[d]) for d in DESIGNS}
+    episodes = step_episodes(capture.groups, capture.advantages, cfg.algorithm.reward)
+    busy = {d: (writer(f"busy_{d}"), episodes, go[d], working[d], written[d]) for d in DESIGNS}
     threading.Thread(target=busy_logging, args=busy["thread"], daemon=True).start()
     process = context.Process(target=busy_logging, args=busy["process"], daemon=True)
     process.start()
@@ -193,15 +228,23 @@ def in_process(args) -> None:
                 counts[variant].append(count)
         done = f"none {times['none'][-1]:.3f} s" if number else "warm-up"
         print(f"round {number}/{args.rounds}: {done}", flush=True)
+    writer_rss = peak_rss_mb(one_step["process"].process.pid)  # after every round's step
     one_step["process"].close()
+    viewer_rss = viewer_rss_mb(out / "one_step_process")
+    training_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     started = time.thread_time()
-    for _ in range(20):
-        ForkingPickler.dumps(("train", 0, capture.episodes))  # as the queue's feeder thread does
+    for _ in range(20):  # as `log_step` and the thread feeding the writer do
+        pickle.dumps(("train", 0, step_episodes(capture.groups, capture.advantages, cfg.algorithm.reward)))
     handing = 1000 * (time.thread_time() - started) / 20
     print(f"\nstep (rollout + update) of {reference.shape[0]} episodes, in process, over {args.rounds} rounds:")
     base = statistics.median(times["none"])
-    print(f"  none: {base:.3f} s (median); handing a step to the writer process costs the training process "
-          f"{handing:.1f} ms of CPU (pickling its episodes), {handing / (10 * base):.2f}% of the step")  # fmt: skip
+    print(
+        f"  none: {base:.3f} s (median); handing a step to the writer process costs the training process "
+        f"{handing:.1f} ms of CPU (its episodes as builtins, pickled), {handing / (10 * base):.2f}% of the step"
+    )
+    print(f"  peak RSS: trajectory writer process {writer_rss:.0f} MB, rollout viewer build {viewer_rss:.0f} MB; "
+          f"{writer_rss / training_rss:.3f} and {viewer_rss / training_rss:.3f} of the training process's "
+          f"{training_rss:.0f} MB")  # fmt: skip
     for variant in variants[1:]:
         logs_ratio = [math.log(t / base) for t, base in zip(times[variant], times["none"])]
         mean, half = statistics.mean(logs_ratio), 1.96 * statistics.stdev(logs_ratio) / math.sqrt(len(logs_ratio))

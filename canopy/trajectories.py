@@ -8,26 +8,33 @@ ids with the action mask as run lengths.
 
 Sampling keeps a large run's logs small: every `every_n_steps`-th training step (every evaluation), only the groups
 of the named `tasks`, or the first `groups_per_tier` groups of each tier; `max_disk_mb` bounds the folder, the oldest
-step files going first (said once). Records are built and written by a process of their own at idle priority, so
-a training step only hands its episodes over; each file appears whole (written under a temporary name, then renamed)
-or not at all.
+step files going first (said once). Records are built and written by a process of their own at idle priority
+(`python -m canopy.trajectory_writer`, which imports neither torch nor the training code), so a training step only
+hands its episodes over; each file appears whole (written under a temporary name, then renamed) or not at all.
 """
 
+from __future__ import annotations
+
+import contextlib
 import gzip
 import json
-import multiprocessing
 import os
+import pickle
 import queue
-import signal
+import subprocess
+import sys
 import threading
 import time
 import warnings
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from canopy.coverage import group_composition
-from canopy.rollout.agent_loop import Trajectory
+
+if TYPE_CHECKING:
+    from canopy.rollout.agent_loop import Trajectory
 
 META = "meta.json"  # the tokenizer's path (for `replay`), written once per log folder
 INDEX = "index.jsonl"  # per stream: one summary line per logged step (the viewer's curves)
@@ -108,26 +115,50 @@ def expand_runs(runs: list[int]) -> list[int]:
     return [i % 2 for i, length in enumerate(runs) for _ in range(length)]
 
 
-def episode_records(
-    episodes: list[tuple[int, Trajectory, float | None]], tokenizer, *, step: int, reward_kind: str, token_ids: bool
-) -> list[dict]:
-    """The step's episodes (group, trajectory, advantage) as JSON-ready dicts: the prompt, then per turn the action
-    (mask 1) and the observation that followed it (mask 0), decoded with the special tokens kept, so the text is
-    what the model saw. Every piece of the step is decoded in one call (`decode_all`)."""
+def plain_episode(group: int, t: Trajectory, advantage: float | None, reward_kind: str) -> dict:
+    """What the writer needs of an episode, in builtins only: unpickling it then imports neither torch nor the
+    rollout code. `advantage` is its group advantage (Eq. 3), None if it has none."""
+    verdict = t.verdict
+    return {
+        "task_id": t.task.task_id,
+        "tier": t.task.tier,
+        "scenario": t.task.scenario,
+        "sample_index": t.sample_index,
+        "group": group,
+        "weight_versions": sorted(t.weight_versions),
+        "prompt_tokens": t.prompt_length,
+        "response_tokens": t.response_tokens,
+        "num_turns": t.num_turns,
+        "ending": t.ending,
+        "verdict": None if verdict is None else {**verdict.__dict__, "success": verdict.success},
+        "agent_failure": t.agent_failure,
+        "quarantine": t.quarantine,
+        "fault": None if t.fault is None else str(t.fault),
+        "reward": None if t.quarantine is not None else t.reward(reward_kind),
+        "advantage": advantage,
+        "token_ids": t.token_ids,
+        "action_mask": t.action_mask,
+    }
+
+
+def episode_records(episodes: list[dict], decoder, *, step: int, token_ids: bool) -> list[dict]:
+    """The step's episodes (`plain_episode`) as JSON-ready dicts: the prompt, then per turn the action (mask 1) and
+    the observation that followed it (mask 0), decoded with the special tokens kept, so the text is what the model
+    saw. Every piece of the step is decoded in one call (`decode_all`)."""
     layouts, pieces = [], []
-    for _, t, _ in episodes:
-        runs = mask_runs(t.action_mask)  # the first run (0s) holds the prompt: the prompt's mask is all 0
-        spans, position = [], t.prompt_length
-        for run, length in enumerate([runs[0] - t.prompt_length, *runs[1:]]):  # even runs: 0s, odd: 1s
+    for e in episodes:
+        runs = mask_runs(e["action_mask"])  # the first run (0s) holds the prompt: the prompt's mask is all 0
+        spans, position = [], e["prompt_tokens"]
+        for run, length in enumerate([runs[0] - e["prompt_tokens"], *runs[1:]]):  # even runs: 0s, odd: 1s
             if length:
                 spans.append((run % 2 == 1, length))
-                pieces.append(t.token_ids[position : position + length])
+                pieces.append(e["token_ids"][position : position + length])
             position += length
-        pieces.append(t.token_ids[: t.prompt_length])
+        pieces.append(e["token_ids"][: e["prompt_tokens"]])
         layouts.append((runs, spans))
-    texts = iter(decode_all(tokenizer, pieces))
+    texts = iter(decode_all(decoder, pieces))
     records = []
-    for (group, t, advantage), (runs, spans) in zip(episodes, layouts):
+    for e, (runs, spans) in zip(episodes, layouts):
         turns = []
         for is_action, length in spans:
             text = next(texts)
@@ -135,30 +166,29 @@ def episode_records(
                 turns.append({"action": text, "action_tokens": length, "observation": "", "observation_tokens": 0})
             elif turns:  # an observation follows its action (nothing is shown before the first)
                 turns[-1].update(observation=text, observation_tokens=length)
-        verdict = t.verdict
         record = {
             "step": step,
-            "task_id": t.task.task_id,
-            "tier": t.task.tier,
-            "scenario": t.task.scenario,
-            "sample_index": t.sample_index,
-            "group": group,
-            "weight_versions": sorted(t.weight_versions),
+            "task_id": e["task_id"],
+            "tier": e["tier"],
+            "scenario": e["scenario"],
+            "sample_index": e["sample_index"],
+            "group": e["group"],
+            "weight_versions": e["weight_versions"],
             "prompt": next(texts),
-            "prompt_tokens": t.prompt_length,
-            "response_tokens": t.response_tokens,
-            "num_turns": t.num_turns,
+            "prompt_tokens": e["prompt_tokens"],
+            "response_tokens": e["response_tokens"],
+            "num_turns": e["num_turns"],
             "turns": turns,
-            "ending": t.ending,
-            "verdict": None if verdict is None else {**verdict.__dict__, "success": verdict.success},
-            "agent_failure": t.agent_failure,
-            "quarantine": t.quarantine,
-            "fault": None if t.fault is None else str(t.fault),
-            "reward": None if t.quarantine is not None else t.reward(reward_kind),
-            "advantage": advantage,
+            "ending": e["ending"],
+            "verdict": e["verdict"],
+            "agent_failure": e["agent_failure"],
+            "quarantine": e["quarantine"],
+            "fault": e["fault"],
+            "reward": e["reward"],
+            "advantage": e["advantage"],
         }
         if token_ids:
-            record["token_ids"], record["mask_runs"] = list(t.token_ids), runs
+            record["token_ids"], record["mask_runs"] = list(e["token_ids"]), runs
         records.append(record)
     return records
 
@@ -176,41 +206,59 @@ def lower_to_idle_priority(pid: int = 0) -> None:
             pass
 
 
-def decode_all(tokenizer, pieces: list[list[int]]) -> list[str]:
-    """`tokenizer.decode(piece, skip_special_tokens=False)` of each piece, in one call to the fast tokenizer's
-    Rust backend where that gives the same text (no clean-up of spaces): per call, `decode`'s Python overhead
-    costs more than the decoding of a short turn."""
+def writer_decoder(tokenizer):
+    """What the writer decodes with: the fast tokenizer's Rust backend where that gives `decode`'s text (no clean-up
+    of spaces), which the writer process unpickles without transformers; else the tokenizer itself."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", False):
-        return [tokenizer.decode(piece, skip_special_tokens=False) for piece in pieces]
-    return backend.decode_batch(pieces, skip_special_tokens=False)
+        return tokenizer
+    return backend
+
+
+def decode_all(decoder, pieces: list[list[int]]) -> list[str]:
+    """Each piece's text as `tokenizer.decode(piece, skip_special_tokens=False)` gives it. A Rust backend
+    (`writer_decoder`) decodes them all in one call: per call, `decode`'s Python overhead costs more than the
+    decoding of a short turn."""
+    from tokenizers import Tokenizer
+
+    if isinstance(decoder, Tokenizer):
+        return decoder.decode_batch(pieces, skip_special_tokens=False)
+    return [decoder.decode(piece, skip_special_tokens=False) for piece in pieces]
 
 
 class TrajectoryLog:
-    """Hands the sampled episodes of each step to a writer process (spawned by the first step handed over, at idle
-    priority; only the generating rank ever logs), which writes them under `root/<stream>/`. A step costs the
-    training process only pickling its episodes (about 1 ms for 128): in a thread, building and encoding the
-    records held the GIL the training loop needs. What the writer has to say (a step not written, old steps pruned)
-    is said here, at the next step or at `close`, which waits for what is queued."""
+    """Hands the sampled episodes of each step to a writer process (`python -m canopy.trajectory_writer`, started
+    by the first step handed over, at idle priority; only the generating rank ever logs), which writes them under
+    `root/<stream>/`. A step costs the training process only copying out and pickling its episodes (about 1 ms for
+    128; the pickling on a thread feeding the writer's stdin): in a thread, building and encoding the records held
+    the GIL the training loop needs. What the writer has to say (a step not written, old steps pruned) is said
+    here, at the next step or at `close`, which waits for what is queued."""
 
     def __init__(self, root: str | Path, tokenizer, tokenizer_path: str, sampling: Sampling, reward_kind: str):
         self.root, self.tokenizer, self.sampling, self.reward_kind = Path(root), tokenizer, sampling, reward_kind
         self.tokenizer_path = str(tokenizer_path)
         self.pruned_warned = False
         self.process = None
-        self.queue = self.said = None
+        self.queue = self.said = self.listener = None
 
     def _start(self) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
         (self.root / META).write_text(json.dumps({"tokenizer": self.tokenizer_path}))
-        context = multiprocessing.get_context("spawn")  # not fork: the trainer's threads and CUDA state stay home
-        self.queue = context.Queue(maxsize=4)  # a slow disk holds back the run, never drops a step
-        self.said = context.Queue()
-        writer = Writer(self.root, self.tokenizer, self.sampling, self.reward_kind)
-        self.process = context.Process(target=writer.run, args=(self.queue, self.said), name="trajectory-log")
-        self.process.daemon = True
-        self.process.start()
+        home = str(Path(__file__).parents[1])  # the writer imports this canopy, whatever the working folder
+        path = os.pathsep.join(p for p in (home, os.environ.get("PYTHONPATH")) if p)
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "canopy.trajectory_writer"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env={**os.environ, "PYTHONPATH": path},
+        )
         lower_to_idle_priority(self.process.pid)  # from its first import on
+        self.queue = queue.Queue(maxsize=4)  # a slow disk holds back the run, never drops a step
+        self.said = queue.Queue()
+        self.queue.put(Writer(self.root, writer_decoder(self.tokenizer), self.sampling))
+        threading.Thread(target=feed, args=(self.queue, self.process.stdin), daemon=True).start()
+        self.listener = threading.Thread(target=listen, args=(self.process.stdout, self.said), daemon=True)
+        self.listener.start()
 
     def log_step(
         self,
@@ -223,7 +271,8 @@ class TrajectoryLog:
         chosen = self.sampling.groups(stream, step, groups)
         if not chosen:
             return
-        episodes = [(g, t, (advantages or {}).get(id(t))) for g in chosen for t in groups[g]]
+        advantages = advantages or {}
+        episodes = [plain_episode(g, t, advantages.get(id(t)), self.reward_kind) for g in chosen for t in groups[g]]
         if self.process is None:
             self._start()
         self._hand_over((stream, step, episodes))
@@ -233,20 +282,22 @@ class TrajectoryLog:
         """Write what is queued, then stop the writer (a later step starts another)."""
         if self.process is None:
             return
-        if self.process.is_alive():
+        if self.process.poll() is None:
             self._hand_over(None)
-        elif self.process.exitcode:
-            warnings.warn(f"{self._died()}: what it had queued was not written", stacklevel=2)
-        while self.process.is_alive():  # what it says is read meanwhile, so a full pipe never holds it back
-            self.process.join(timeout=0.1)
-            self._say()
+        else:
+            if self.process.returncode:
+                warnings.warn(f"{self._died()}: what it had queued was not written", stacklevel=2)
+            with contextlib.suppress(queue.Full):  # a full queue: its feeding thread has stopped already
+                self.queue.put_nowait(None)  # stops the feeding thread
+        self.process.wait()
+        self.listener.join()  # to the writer's last word
+        self.process.stdout.close()
         self._say()
-        self.queue.close()
         self.process = None
 
     def _hand_over(self, item) -> None:
         """Queue `item` for the writer, waiting while the queue is full; a writer that has died stops the run."""
-        while self.process.is_alive():
+        while self.process.poll() is None:
             try:
                 return self.queue.put(item, timeout=1.0)
             except queue.Full:
@@ -254,7 +305,7 @@ class TrajectoryLog:
         raise RuntimeError(f"{self._died()}; trajectories.enabled=false runs without the logs")
 
     def _died(self) -> str:
-        return f"the trajectory writer process died (exit code {self.process.exitcode})"
+        return f"the trajectory writer process died (exit code {self.process.returncode})"
 
     def _say(self) -> None:
         """Warn here what the writer reported: each step not written, the disk bound once."""
@@ -269,43 +320,63 @@ class TrajectoryLog:
             warnings.warn(message, stacklevel=3)
 
 
+def feed(items: queue.Queue, pipe) -> None:
+    """Pickle each queued item into the writer's stdin until None, which closes it (the writer's end of input); a
+    writer that has died stops the feeding (the log then says it died)."""
+    try:
+        with pipe:
+            while (item := items.get()) is not None:
+                pickle.dump(item, pipe)
+                pipe.flush()
+                items.task_done()
+    except BrokenPipeError:  # the writer died (the log says so)
+        pass
+
+
+def listen(pipe, said: queue.Queue) -> None:
+    """Queue what the writer says (a JSON line each: [kind, message]) until it exits."""
+    for line in pipe:
+        said.put(tuple(json.loads(line)))
+
+
 class Writer:
     """The writer process: builds each step's records and writes them whole (a temporary name, then renamed), with
     a line per step in the stream's index; keeps the folder under `max_disk_mb`."""
 
-    def __init__(self, root: Path, tokenizer, sampling: Sampling, reward_kind: str):
-        self.root, self.tokenizer, self.sampling, self.reward_kind = root, tokenizer, sampling, reward_kind
+    def __init__(self, root: Path, decoder, sampling: Sampling):
+        self.root, self.decoder, self.sampling = root, decoder, sampling
         self.sizes: dict[Path, int] = {}
         self.pruned_said = False
 
     def run(self, steps, said) -> None:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C stops the run, which then closes the log: all written
+        """Write each step unpickled from `steps` until None or the end of input (the training process was killed:
+        what it had handed over is written, nothing more comes); say on `said` (a text stream) what went wrong."""
         self.sizes = {p: p.stat().st_size for p in self.root.glob("*/step_*.jsonl.gz")}  # a resumed run's too
         self.said = said
-        steps._writer.close()  # only the training process holds the queue's write end, so its death reads as EOF
-        self.said._reader.close()
         while True:
             try:
-                item = steps.get()
-            except (EOFError, OSError):
-                return  # the training process was killed: what it had handed over is written, nothing more comes
+                item = pickle.load(steps)
+            except (EOFError, pickle.UnpicklingError):  # a step cut short by the training process's death
+                return
             if item is None:
                 return
             stream, step, episodes = item
             try:
                 self._write(stream, step, episodes)
             except Exception as error:  # noqa: BLE001 (a logging failure must not stop training; it is said)
-                self.said.put(("failed", f"trajectory log: step {step} of {stream} was not written: {error}"))
+                self._say("failed", f"trajectory log: step {step} of {stream} was not written: {error}")
 
-    def _write(self, stream: str, step: int, episodes: list) -> None:
+    def _say(self, kind: str, message: str) -> None:
+        self.said.write(json.dumps([kind, message]) + "\n")
+        self.said.flush()
+
+    def _write(self, stream: str, step: int, episodes: list[dict]) -> None:
         started = time.thread_time()  # the writer's CPU time: what the logs cost, kept in the index line
         folder = self.root / stream
         folder.mkdir(exist_ok=True)
         path = step_path(folder, step)
         staged = path.with_name(f".{path.name}.tmp")
-        records = episode_records(
-            episodes, self.tokenizer, step=step, reward_kind=self.reward_kind, token_ids=self.sampling.token_ids
-        )
+        records = episode_records(episodes, self.decoder, step=step, token_ids=self.sampling.token_ids)
         with gzip.open(staged, "wt", encoding="utf-8", compresslevel=1) as out:
             out.writelines(json.dumps(record) + "\n" for record in records)
         staged.replace(path)
@@ -322,11 +393,11 @@ class Writer:
             if sum(self.sizes.values()) <= limit or oldest == keep:
                 break
             if not self.pruned_said:
-                self.said.put((
+                self._say(
                     "pruned",
                     f"trajectory logs over trajectories.max_disk_mb={self.sampling.max_disk_mb}: removing the oldest "
                     f"step files, from {oldest.parent.name}/{oldest.name} on (sample fewer episodes to keep them all)",
-                ))  # fmt: skip
+                )
                 self.pruned_said = True
             oldest.unlink(missing_ok=True)
             del self.sizes[oldest]

@@ -3,6 +3,7 @@
 import gzip
 import json
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -108,8 +109,7 @@ from tests.test_datamodule import trajectory
 log = TrajectoryLog(sys.argv[2], AutoTokenizer.from_pretrained(sys.argv[1]), "m", Sampling(), "sparse")
 for step in range(3):
     log.log_step("train", step, [[trajectory(Task("a", 1, "s"), i, success=True, length=50) for i in range(8)]])
-log.queue.close()
-log.queue.join_thread()  # the three steps are in the pipe (a step still in the trainer's buffer dies with it)
+log.queue.join()  # the three steps are in the pipe (a step still in the trainer's queue dies with it)
 print(log.process.pid, flush=True)
 os.kill(os.getpid(), signal.SIGKILL)
 """
@@ -130,12 +130,53 @@ def test_a_killed_trainer_leaves_its_steps_written_and_no_writer_behind(tiny_pat
     assert sorted(p.name for p in (tmp_path / "train").glob("step_*")) == [f"step_00000{i}.jsonl.gz" for i in range(3)]
 
 
+IMPORTS_OF = """
+import runpy, sys
+module, out = sys.argv.pop(1), sys.argv.pop(1)
+try:
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
+finally:
+    with open(out, "w") as f:
+        f.write("\\n".join(sorted(sys.modules)))
+"""
+HEAVY = {"torch", "lightning", "transformers", "hydra", "numpy"}
+
+
+def imports_of(module: str, *args, tmp_path: Path, **run) -> tuple[set[str], subprocess.CompletedProcess]:
+    """Run `python -m <module> <args>` (as the trajectory log and the viewer callback do): the top-level packages it
+    imported, and how it ran."""
+    out = tmp_path / f"{module}.modules"
+    command = [sys.executable, "-c", IMPORTS_OF, module, str(out), *map(str, args)]
+    ran = subprocess.run(command, capture_output=True, timeout=120, cwd=Path(__file__).parents[1], **run)
+    return {name.split(".")[0] for name in out.read_text().split()}, ran
+
+
+def test_the_writer_entry_point_writes_what_it_is_handed_without_torch(tokenizer, tmp_path):
+    """`python -m canopy.trajectory_writer` writes the records built here, says what it could not write, and
+    imports neither torch nor the training code."""
+    from canopy.trajectories import Writer, episode_records, plain_episode, writer_decoder
+
+    a = Task("a", 1, "s")
+    episodes = [plain_episode(0, trajectory(a, i, success=i == 0, length=30), 0.5, "sparse") for i in range(3)]
+    (tmp_path / "blocked").write_text("a file where the stream's folder should be")
+    handed = [Writer(tmp_path, writer_decoder(tokenizer), Sampling()), ("train", 4, episodes), ("blocked", 5, [])]
+    modules, ran = imports_of(
+        "canopy.trajectory_writer", tmp_path=tmp_path, input=b"".join(map(pickle.dumps, [*handed, None]))
+    )
+    assert ran.returncode == 0, ran.stderr.decode()
+    assert not HEAVY & modules and "tokenizers" in modules
+    records = episode_records(episodes, writer_decoder(tokenizer), step=4, token_ids=True)
+    assert read_step(tmp_path / "train" / "step_000004.jsonl.gz") == json.loads(json.dumps(records))
+    (said,) = ran.stdout.decode().splitlines()
+    assert json.loads(said)[0] == "failed" and "step 5 of blocked was not written" in json.loads(said)[1]
+
+
 def test_a_dead_writer_stops_the_step_with_its_cause(tokenizer, tmp_path):
     a = Task("a", 1, "s")
     log = TrajectoryLog(tmp_path, tokenizer, "m", Sampling(), "sparse")
     log.log_step("train", 0, [[trajectory(a, 0, success=True)]])
     log.process.kill()
-    log.process.join()
+    log.process.wait()
     with pytest.raises(RuntimeError, match=r"trajectory writer process died \(exit code -9\); trajectories.enabled"):
         log.log_step("train", 1, [[trajectory(a, 0, success=True)]])
     with pytest.warns(UserWarning, match=r"died \(exit code -9\): what it had queued was not written"):
@@ -314,10 +355,13 @@ def test_replay_names_what_is_there_when_asked_for_what_is_not(tokenizer, tiny_p
 
 
 def test_decode_all_gives_the_text_of_decode_piece_by_piece(tokenizer):
-    """The writer decodes a step's pieces in one call; the text is what `decode` gives for each (the word-level and
-    the byte-level tokenizers), and a tokenizer that cleans up spaces keeps its own `decode`."""
+    """The writer decodes a step's pieces in one call, with the decoder it is handed (pickled); the text is what
+    `decode` gives for each (the word-level and the byte-level tokenizers), and a tokenizer that cleans up spaces
+    keeps its own `decode`."""
+    from tokenizers import Tokenizer
+
     from canopy.tools.tiny_model import build_byte_tokenizer
-    from canopy.trajectories import decode_all
+    from canopy.trajectories import decode_all, writer_decoder
 
     byte_level = build_byte_tokenizer()
     for tok, texts in (
@@ -325,10 +369,13 @@ def test_decode_all_gives_the_text_of_decode_piece_by_piece(tokenizer):
         (byte_level, ["print('é')\n<|im_end|>", "  two  spaces , and a comma .", "<think>\n\n</think>"]),
     ):
         pieces = [tok.encode(text, add_special_tokens=False) for text in texts]
-        assert decode_all(tok, pieces) == [tok.decode(p, skip_special_tokens=False) for p in pieces]
+        decoder = pickle.loads(pickle.dumps(writer_decoder(tok)))
+        assert isinstance(decoder, Tokenizer)  # the Rust backend: the writer needs no transformers
+        assert decode_all(decoder, pieces) == [tok.decode(p, skip_special_tokens=False) for p in pieces]
     tokenizer.clean_up_tokenization_spaces = True  # decode's clean-up: " ." -> "."
     try:
         piece = tokenizer.encode("ok : done .", add_special_tokens=False)
+        assert writer_decoder(tokenizer) is tokenizer
         assert decode_all(tokenizer, [piece]) == [tokenizer.decode(piece, skip_special_tokens=False)] == ["ok : done."]
     finally:
         tokenizer.clean_up_tokenization_spaces = False

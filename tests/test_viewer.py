@@ -18,6 +18,7 @@ from canopy.tools.viewer import build_viewer, cut
 from canopy.trajectories import Sampling, TrajectoryLog, read_step
 from tests.scripted import ScriptedEngine
 from tests.test_datamodule import datamodule
+from tests.test_trajectories import HEAVY, imports_of
 
 matplotlib.use("Agg")
 BROWSERS = ("chromium-headless-shell", "chromium", "google-chrome")
@@ -136,6 +137,18 @@ def test_view_command_writes_the_page_or_names_the_fix(run_dir, tmp_path, capsys
     assert capsys.readouterr().out.strip() == f"viewer: {run_dir / 'viewer.html'}"
     with pytest.raises(SystemExit, match="^view: .* has no trajectory logs: train or evaluate with trajectories"):
         main(["view", str(tmp_path)])
+
+
+def test_the_viewer_entry_point_builds_the_same_page_without_torch(run_dir, tmp_path):
+    """`python -m canopy.tools.viewer`, as the callback runs it, imports neither torch nor the training code, and
+    writes the page `build_viewer` writes (but for the time it was generated)."""
+    modules, ran = imports_of("canopy.tools.viewer", run_dir, 2, 1000, tmp_path=tmp_path)
+    assert ran.returncode == 0, ran.stderr.decode()
+    assert not HEAVY & modules
+    built = (run_dir / "viewer.html").read_text()
+    generated = re.compile(r'"generated": "[^"]*"')
+    assert generated.search(built)
+    assert generated.sub("", built) == generated.sub("", build_viewer(run_dir, 2, 1000).read_text())
 
 
 def test_the_callback_rebuilds_the_page_every_n_steps_without_holding_a_step(run_dir):
