@@ -75,7 +75,7 @@ lint: $(STAMP)
 	$(PY) -m ruff format --check .
 
 test: lint $(APPWORLD_STAMP) $(SGLANG_API_STAMP) system
-	$(PY) -m pytest -q -ra $(PYTEST_ARGS)
+	$(PY) -m pytest -q -ra --durations=25 $(PYTEST_ARGS)
 
 # The lent GPU machine (README, "Verified where"): its bundle of wheels, and its setup rehearsed here on torch 2.11
 device-bundle: $(STAMP)

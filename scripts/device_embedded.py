@@ -10,7 +10,7 @@ the GPU, each a real `train.py` run read back from its TensorBoard scalars and s
     the training tasks, summary.json; reward/success of the first and last steps).
 
     python scripts/device_embedded.py --part gap|learn               # on the GPU machine
-    python scripts/device_embedded.py --part gap|learn --cpu-dry-run  # the same runs, shorter, on the CPU
+    python scripts/device_embedded.py --part gap|learn --cpu-dry-run  # the same runs, smaller, on the CPU
 The last line is `RESULT {json}`.
 """
 
@@ -30,6 +30,13 @@ from canopy.tools.tb_scalars import read_scalars  # noqa: E402
 
 STEP_TIMES = ("time/env", "time/generation", "time/reference", "time/update", "time/weight_sync")
 WIDE_BOUNDS = "{parity: 10, warn: 10, stop: 10}"
+# the CPU dry run's runs: fewer episodes per step and per evaluation, from a tiny model warmed in 30 steps, not 200
+DRY_RUN = [
+    "data.tasks_per_step=2",
+    "algorithm.group_size=4",
+    "report.eval_samples_per_task=1",
+    "model.tiny.format_warmup_steps=30",
+]
 
 
 def train(run_dir: Path, steps: int, gpu: bool, overrides: list[str]) -> tuple[dict, dict, float]:
@@ -61,9 +68,9 @@ def values(scalars: dict, name: str) -> list[float]:
     return [value for _, value in sorted(scalars.get(name, []))]
 
 
-def gap(work: Path, gpu: bool, steps: int) -> dict:
+def gap(work: Path, gpu: bool, steps: int, extra: list[str]) -> dict:
     # the gap is logged by every step; the run's closing evaluations are not needed
-    overrides = ["engine.dtype=bfloat16", f"engine.gap_bounds.bfloat16={WIDE_BOUNDS}"]
+    overrides = ["engine.dtype=bfloat16", f"engine.gap_bounds.bfloat16={WIDE_BOUNDS}", *extra]
     overrides += ["report.eval_samples_per_task=0", "callbacks.budget_transfer=null"]
     scalars, _, _ = train(work / "gap", steps, gpu, overrides)
     gaps, kls = values(scalars, "mismatch/logprob_gap"), values(scalars, "mismatch/kl")
@@ -72,9 +79,9 @@ def gap(work: Path, gpu: bool, steps: int) -> dict:
     return dict(logprob_gap=gaps, kl=kls, largest_gap=max(gaps), engine="local, bfloat16", trainer="float32")
 
 
-def learn(work: Path, gpu: bool, steps: int, cpu_steps: int) -> dict:
-    scalars, summary, wall = train(work / "learn", steps, gpu, [])
-    cpu_scalars, _, cpu_wall = train(work / "cpu", cpu_steps, False, [])
+def learn(work: Path, gpu: bool, steps: int, cpu_steps: int, extra: list[str]) -> dict:
+    scalars, summary, wall = train(work / "learn", steps, gpu, extra)
+    cpu_scalars, _, cpu_wall = train(work / "cpu", cpu_steps, False, extra)
     device_step, cpu_step = step_seconds(scalars, True), step_seconds(cpu_scalars, True)
     success = values(scalars, "reward/success")
     k = max(1, len(success) // 4)
@@ -102,11 +109,12 @@ def main() -> None:
     parser.add_argument("--cpu-dry-run", action="store_true")
     args = parser.parse_args()
     gpu = not args.cpu_dry_run
+    extra = [] if gpu else DRY_RUN
     with tempfile.TemporaryDirectory() as work:
         if args.part == "gap":
-            result = gap(Path(work), gpu, steps=5 if gpu else 2)
+            result = gap(Path(work), gpu, steps=5 if gpu else 2, extra=extra)
         else:
-            result = learn(Path(work), gpu, steps=20 if gpu else 3, cpu_steps=3)
+            result = learn(Path(work), gpu, steps=20 if gpu else 3, cpu_steps=3, extra=extra)
     print("RESULT " + json.dumps(result))
 
 

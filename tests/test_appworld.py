@@ -308,7 +308,7 @@ def broken_root(env_kwargs, tmp_path) -> Path:
         ("train.py", ["trainer.devices=2", "parallelism.dp_shard=2"]),
     ],
 )
-def test_a_broken_setup_stops_training_and_evaluation_with_one_line(env_kwargs, tmp_path, entry, extra):
+def test_a_broken_setup_stops_training_and_evaluation_with_one_line(env_kwargs, tmp_path, warm_tiny, entry, extra):
     """Training on 2 processes (the rank that generates says why, and every rank stops: none dies on a broken pipe;
     one process takes the same path as that rank, so it is not run separately) and evaluation."""
     root, run_dir = broken_root(env_kwargs, tmp_path), tmp_path / "run"
@@ -316,7 +316,7 @@ def test_a_broken_setup_stops_training_and_evaluation_with_one_line(env_kwargs, 
         sys.executable,
         entry,
         f"hydra.run.dir={run_dir}",
-        f"model.tiny.dir={tmp_path / 'tiny'}",
+        f"model.tiny.dir={warm_tiny}",
         "model.tiny.format_warmup_steps=30",
         "env.name=appworld",
         "env.pool.workers=2",

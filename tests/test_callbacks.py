@@ -29,7 +29,6 @@ from canopy.tools.tb_scalars import read_scalars
 from canopy.trajectories import Sampling, TrajectoryLog, read_step
 from tests.test_config import config
 from tests.test_datamodule import trajectory
-from tests.test_train import train
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -184,8 +183,9 @@ def test_budget_transfer_evaluates_both_budgets_with_the_runs_own_engine(tiny_pa
 
 
 @pytest.mark.slow
-def test_training_run_logs_and_plots_the_callbacks(tmp_path):
-    run_dir, _ = train(tmp_path, 2, "data.tasks_per_step=2", "report.eval_samples_per_task=0", "eval.every_n_steps=1")
+def test_training_run_logs_and_plots_the_callbacks(short_run):
+    run_dir, run = short_run
+    assert "eval.every_n_steps=1" in run.args
     scalars = read_scalars(run_dir / "tensorboard")
     for tag in (
         "coverage/psig",
@@ -197,7 +197,7 @@ def test_training_run_logs_and_plots_the_callbacks(tmp_path):
         "eval/enlarged_budget/tgc_tier3",
     ):
         assert tag in scalars, tag
-    assert len(scalars["eval/training_budget/tgc_all"]) == 2  # after steps 1 and 2; the end reuses step 2
+    assert len(scalars["eval/training_budget/tgc_all"]) == 3  # after steps 1, 2 and 3; the end reuses step 3
     for name in (
         "fig2_coverage",
         "fig3_group_composition",

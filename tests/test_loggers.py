@@ -11,7 +11,6 @@ from canopy.config import ConfigError
 from canopy.loggers import EPISODE_COLUMNS, build_loggers
 from canopy.tools.tb_scalars import read_scalars
 from tests.test_config import config
-from tests.test_train import train
 
 
 def test_the_group_composes_tensorboard_first_and_checks_its_values(tmp_path):
@@ -50,8 +49,9 @@ def wandb_history(run_dir) -> dict[str, list[float]]:
 
 
 @pytest.mark.slow
-def test_wandb_and_mlflow_get_every_metric_under_its_tensorboard_name_and_the_episodes(tmp_path):
-    run_dir, _ = train(tmp_path, 2, "logger=[wandb,mlflow]", "logger.wandb.mode=offline", "eval.every_n_steps=1")
+def test_wandb_and_mlflow_get_every_metric_under_its_tensorboard_name_and_the_episodes(short_run):
+    run_dir, run = short_run
+    assert "logger=[wandb,mlflow]" in run.args and "eval.every_n_steps=1" in run.args
     tensorboard = read_scalars(run_dir / "tensorboard")
     names = ["actor/loss", "actor/kl", "reward/success", "coverage/mixed", "eval/training_budget/tgc_all"]
     assert all(name in tensorboard for name in names)
@@ -76,7 +76,7 @@ def test_wandb_and_mlflow_get_every_metric_under_its_tensorboard_name_and_the_ep
     files = run_dir / "wandb" / "offline-run-*" / "files" / "media"
     (table,) = glob.glob(str(files / "table" / "episodes" / "last_step_*.table.json"))
     episodes = json.loads(open(table).read())
-    assert episodes["columns"] == EPISODE_COLUMNS and len(episodes["data"]) == 16  # step 1: 4 tasks x 4 rollouts
-    assert {row[0] for row in episodes["data"]} == {1}
+    assert episodes["columns"] == EPISODE_COLUMNS and len(episodes["data"]) == 16  # step 2: 4 tasks x 4 rollouts
+    assert {row[0] for row in episodes["data"]} == {2}
     (page,) = glob.glob(str(files / "html" / "episodes" / "viewer_*.html"))
     assert open(page).read() == (run_dir / "viewer.html").read_text()

@@ -13,7 +13,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def paper_checks(out: Path, *args: str, shard: str = "0/1") -> subprocess.Popen:
+def paper_checks(out: Path, tiny: Path, *args: str, shard: str = "0/1") -> subprocess.Popen:
     command = [
         sys.executable,
         "bench/paper_checks.py",
@@ -35,7 +35,7 @@ def paper_checks(out: Path, *args: str, shard: str = "0/1") -> subprocess.Popen:
         shard,
         *args,
         "--",
-        f"model.tiny.dir={out / 'tiny'}",
+        f"model.tiny.dir={tiny}",
         "model.tiny.format_warmup_steps=30",
         "data.tasks_per_step=2",
         "eval.split=test",
@@ -50,8 +50,8 @@ def finish(process: subprocess.Popen) -> str:
 
 
 @pytest.mark.slow
-def test_shards_share_the_runs_and_a_finished_run_is_never_redone(tmp_path):
-    shards = [paper_checks(tmp_path, shard=f"{i}/2") for i in range(2)]
+def test_shards_share_the_runs_and_a_finished_run_is_never_redone(tmp_path, warm_tiny):
+    shards = [paper_checks(tmp_path, warm_tiny, shard=f"{i}/2") for i in range(2)]
     outputs = [finish(process) for process in shards]
     runs = [(check, seed) for check in ("recipe", "n8_matched") for seed in (0, 1)]
     results = {run: tmp_path / run[0] / f"seed{run[1]}" / "result.json" for run in runs}
@@ -63,7 +63,7 @@ def test_shards_share_the_runs_and_a_finished_run_is_never_redone(tmp_path):
 
     first = {run: path.stat().st_mtime_ns for run, path in results.items()}
     results["recipe", 1].unlink()  # as if that run had been interrupted
-    output = finish(paper_checks(tmp_path))
+    output = finish(paper_checks(tmp_path, warm_tiny))
     assert output.count("done before") == 3 and "recipe seed 1: dev TGC" in output
     assert all(results[run].stat().st_mtime_ns == first[run] for run in runs if run != ("recipe", 1))
 
@@ -82,11 +82,11 @@ def test_shards_share_the_runs_and_a_finished_run_is_never_redone(tmp_path):
         for other in run_folder.parent.iterdir():
             if other.name != "result.json":
                 shutil.rmtree(other) if other.is_dir() else other.unlink()
-    again = finish(paper_checks(tmp_path, "--report-only"))
+    again = finish(paper_checks(tmp_path, warm_tiny, "--report-only"))
     assert "done before" not in again and (tmp_path / "paper_checks.md").read_text() == table
 
 
 def test_an_unknown_check_is_named_with_the_choices(tmp_path):
-    process = paper_checks(tmp_path, "--checks", "no_such_check")
+    process = paper_checks(tmp_path, tmp_path / "tiny", "--checks", "no_such_check")  # stops before any model
     output, _ = process.communicate(timeout=300)
     assert process.returncode != 0 and "unknown checks ['no_such_check']: use some of recipe, seq_mean" in output

@@ -272,11 +272,12 @@ def test_a_rollout_loses_no_episode_to_a_lost_node(connected, extra, tokenizer):
 
 
 @pytest.mark.slow
-def test_train_py_runs_its_episodes_on_the_cluster(cluster, tmp_path):
+def test_train_py_runs_its_episodes_on_the_cluster(cluster, tmp_path, warm_tiny):
     """`python train.py env.pool.workers=1 env.ray.address=<cluster>`: the embedded default joins the cluster, runs
     its rollout steps in the nodes' pools, trains and leaves cleanly."""
     run_dir, run = train(
         tmp_path,
+        warm_tiny,
         2,
         "env.pool.workers=1",
         f"env.ray.address={cluster.address}",

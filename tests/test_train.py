@@ -47,21 +47,21 @@ REQUIRED_TAGS = [
 ]
 
 
-def train(tmp_path, steps: int, *overrides: str, name: str = "run", returncode: int = 0):
-    """`python train.py` on a small embedded run in `tmp_path/<name>` (the tiny model built once in `tmp_path/tiny`);
-    returns (run dir, completed process), which exited with `returncode`."""
+def train(tmp_path, tiny, steps: int, *overrides: str, name: str = "run", returncode: int = 0):
+    """`python train.py` on a small embedded run in `tmp_path/<name>` from the tiny model at `tiny` (the `warm_tiny`
+    fixture); returns (run dir, completed process), which exited with `returncode`."""
     run_dir = tmp_path / name
-    command = [sys.executable, "train.py", *train_args(tmp_path, run_dir, steps, *overrides)]
+    command = [sys.executable, "train.py", *train_args(tiny, run_dir, steps, *overrides)]
     run = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert run.returncode == returncode, run.stderr[-3000:]
     return run_dir, run
 
 
-def train_args(tmp_path, run_dir, steps: int, *overrides: str) -> list[str]:
-    """train.py's arguments for a small embedded run in `run_dir` (the tiny model built once in `tmp_path/tiny`)."""
+def train_args(tiny, run_dir, steps: int, *overrides: str) -> list[str]:
+    """train.py's arguments for a small embedded run in `run_dir` from the tiny model at `tiny`."""
     return [
         f"hydra.run.dir={run_dir}",
-        f"model.tiny.dir={tmp_path / 'tiny'}",
+        f"model.tiny.dir={tiny}",
         "model.tiny.format_warmup_steps=30",
         f"trainer.max_steps={steps}",
         "data.tasks_per_step=4",
@@ -72,8 +72,8 @@ def train_args(tmp_path, run_dir, steps: int, *overrides: str) -> list[str]:
 
 
 @pytest.mark.slow
-def test_short_training_run(tmp_path):
-    run_dir, run = train(tmp_path, 3)
+def test_short_training_run(short_run):
+    run_dir, run = short_run
     scalars = read_scalars(run_dir / "tensorboard")
     for tag in REQUIRED_TAGS:
         assert tag in scalars and len(scalars[tag]) == 3, tag
@@ -96,7 +96,7 @@ def test_short_training_run(tmp_path):
     steps = [read_step(logs / "train" / f"step_{i:06d}.jsonl.gz") for i in range(3)]
     assert [len(records) for records in steps] == [16] * 3 and all(r["step"] == 2 for r in steps[2])
     assert steps[2][0]["weight_versions"] == [2]  # sampled by the weights after two updates
-    for budget in ("embedded", "embedded_enlarged"):
+    for budget in ("embedded", "embedded_enlarged"):  # after each step; the end reuses step 3's
         evaluated = read_step(logs / f"eval_{budget}" / "step_000003.jsonl.gz")
         assert len(evaluated) == 18 and all(r["advantage"] is None for r in evaluated), budget
     assert "rollout viewer: " in run.stdout and (run_dir / "viewer.html").stat().st_size > 10_000
@@ -125,30 +125,33 @@ def test_base_policy_of_the_embedded_default(tmp_path):
 
 
 @pytest.mark.slow
-def test_training_through_the_environment_pool(tmp_path):
+def test_training_through_the_environment_pool(short_run):
     """The embedded default with its episodes served by 4 isolated worker processes: runs, nothing quarantined."""
-    run_dir, _ = train(tmp_path, 2, "env.pool.workers=4")
+    run_dir, run = short_run
+    assert "env.pool.workers=4" in run.args
     scalars = read_scalars(run_dir / "tensorboard")
-    assert [v for _, v in scalars["rollout/episodes"]] == [16, 16]
-    assert [v for _, v in scalars["rollout/quarantined"]] == [0, 0]
+    assert [v for _, v in scalars["rollout/episodes"]] == [16, 16, 16]
+    assert [v for _, v in scalars["rollout/quarantined"]] == [0, 0, 0]
 
 
 @pytest.mark.slow
-def test_half_minibatch_run_counts_rollout_steps(tmp_path):
+def test_half_minibatch_run_counts_rollout_steps(tmp_path, warm_tiny):
     """trainer.max_steps counts rollout steps: the half_minibatch ablation takes two Lightning optimizer steps on
     each, and its second update learns from samples of the weights before the first (the trainer ratio moves)."""
-    run_dir, _ = train(tmp_path, 2, "ablation=half_minibatch", "report.eval_samples_per_task=0", "callbacks=none")
+    run_dir, _ = train(
+        tmp_path, warm_tiny, 2, "ablation=half_minibatch", "report.eval_samples_per_task=0", "callbacks=none"
+    )
     scalars = read_scalars(run_dir / "tensorboard")
     assert [step for step, _ in scalars["reward/success"]] == [0, 1]
     assert any(v != 0.0 for _, v in scalars["actor/ppo_kl"])
 
 
 @pytest.mark.slow
-def test_auto_group_sizes_run_under_the_fixed_rollout_budget(tmp_path):
+def test_auto_group_sizes_run_under_the_fixed_rollout_budget(tmp_path, warm_tiny):
     """`ablation=auto_group`: every step runs tasks_per_step x adaptive_group.mean episodes, split by Eq. 5 per task
     (the first step evenly: the pilot), and logs each tier's mean group size and its Eq. 4 coverage."""
     overrides = ("ablation=auto_group", "algorithm.adaptive_group.mean=4", "algorithm.adaptive_group.floor=2")
-    run_dir, _ = train(tmp_path, 3, *overrides, "report.eval_samples_per_task=0")
+    run_dir, _ = train(tmp_path, warm_tiny, 3, *overrides, "report.eval_samples_per_task=0")
     scalars = read_scalars(run_dir / "tensorboard")
     assert [v for _, v in scalars["rollout/episodes"]] == [16.0, 16.0, 16.0]
     tiers = [tag for tag in scalars if tag.startswith("coverage/group_size_tier")]
@@ -157,14 +160,14 @@ def test_auto_group_sizes_run_under_the_fixed_rollout_budget(tmp_path):
 
 
 @pytest.mark.slow
-def test_audit_and_its_config_stop_the_run_with_one_line(tmp_path):
+def test_audit_and_its_config_stop_the_run_with_one_line(tmp_path, warm_tiny):
     """A parity bound the engine cannot meet stops the run before any update with the audit's one-line message;
     an engine dtype with no bounds is a config error."""
-    _, run = train(tmp_path, 2, "engine.gap_bounds.float32.parity=1e-12", name="parity", returncode=1)
+    _, run = train(tmp_path, warm_tiny, 2, "engine.gap_bounds.float32.parity=1e-12", name="parity", returncode=1)
     last = run.stderr.strip().splitlines()[-1]
     assert last.startswith("off-policy: update 0 (rollout step 0): before any update the engine's logprobs")
     assert "Traceback" not in run.stderr and not (tmp_path / "parity" / "final_hf").exists()
-    _, run = train(tmp_path, 2, "~engine.gap_bounds.float32", name="no_bounds", returncode=1)
+    _, run = train(tmp_path, warm_tiny, 2, "~engine.gap_bounds.float32", name="no_bounds", returncode=1)
     assert (
         run.stderr.strip()
         .splitlines()[-1]
@@ -173,13 +176,13 @@ def test_audit_and_its_config_stop_the_run_with_one_line(tmp_path):
 
 
 @pytest.mark.slow
-def test_embedded_default_with_a_tiny_qwen3_5(tmp_path):
+def test_embedded_default_with_a_tiny_qwen3_5(tmp_path, warm_tiny_qwen3_5):
     """`python train.py model.tiny.family=qwen3_5`: the same run on a tiny Qwen3.5 (Gated DeltaNet + full attention),
     the trainer on TorchTitan's model with the pure-torch kernels, the engine on HF's; the engine samples what the
     trainer scores, and the final checkpoint is a complete HF Qwen3.5."""
     from transformers import Qwen3_5ForCausalLM
 
-    run_dir, run = train(tmp_path, 2, "model.tiny.family=qwen3_5", "report.eval_samples_per_task=0")
+    run_dir, run = train(tmp_path, warm_tiny_qwen3_5, 2, "model.tiny.family=qwen3_5", "report.eval_samples_per_task=0")
     scalars = read_scalars(run_dir / "tensorboard")
     assert len(scalars["actor/loss"]) == 2 and all(v < 1e-4 for _, v in scalars["mismatch/logprob_gap"])
     Qwen3_5ForCausalLM.from_pretrained(run_dir / "final_hf")
