@@ -17,6 +17,13 @@ from tests.test_datamodule import datamodule
 from tests.test_train import train, train_args
 
 ROOT = Path(__file__).resolve().parents[1]
+COMMON = ("report.eval_samples_per_task=0", "checkpoint.every_n_steps=0")  # the runs compared with one process
+
+
+@pytest.fixture(scope="module")
+def single_run(tmp_path_factory, warm_tiny):
+    """The one-process run of 2 steps that the runs on several processes reproduce."""
+    return train(tmp_path_factory.mktemp("single"), warm_tiny, 2, *COMMON, name="single")[0]
 
 
 @pytest.mark.slow
@@ -42,13 +49,24 @@ def test_sharded_policy_matches_single_process(tiny_path_even_vocab, tmp_path, w
 
 
 @pytest.mark.slow
-def test_train_py_on_two_processes_matches_one(tmp_path):
+def test_a_rank_exits_cleanly_past_a_late_gloo_worker(tmp_path):
+    """A gloo worker thread that waits for the GIL to free a collective's tensors when the rank ends: `run_rank`
+    ends the rank without the interpreter's finalization, which would abort it (tests/gloo_teardown_worker.py)."""
+    command = [sys.executable, "-m", "tests.gloo_teardown_worker", str(free_port()), str(tmp_path)]
+    run = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-1000:] + run.stderr[-3000:]
+    assert "terminate called" not in run.stderr
+    assert sorted(p.name for p in tmp_path.glob("rank*.json")) == ["rank0.json", "rank1.json"]
+
+
+@pytest.mark.slow
+def test_train_py_on_two_processes_matches_one(tmp_path, warm_tiny, single_run):
     """`python train.py trainer.devices=2 parallelism.dp_shard=2` (FSDP) and `parallelism.tp=2` run the embedded
     default on CPU and reproduce the single-process run step for step: same batches (rank 0 generates and
     broadcasts), same losses and gradient norms."""
-    single = read_scalars(train(tmp_path, 2, "report.eval_samples_per_task=0", name="single")[0] / "tensorboard")
+    single = read_scalars(single_run / "tensorboard")
     for name, overrides in {"fsdp": ["parallelism.dp_shard=2"], "tp": ["parallelism.tp=2"]}.items():
-        run_dir, _ = train(tmp_path, 2, "report.eval_samples_per_task=0", "trainer.devices=2", *overrides, name=name)
+        run_dir, _ = train(tmp_path, warm_tiny, 2, *COMMON, "trainer.devices=2", *overrides, name=name)
         sharded = read_scalars(run_dir / "tensorboard")
         for tag in ("actor/loss", "actor/kl", "actor/entropy", "actor/grad_norm", "reward/success"):
             for (_, a), (_, b) in zip(single[tag], sharded[tag], strict=True):
@@ -58,14 +76,12 @@ def test_train_py_on_two_processes_matches_one(tmp_path):
 
 
 @pytest.mark.slow
-def test_torchrun_on_two_nodes_reproduces_one_process(tmp_path):
+def test_torchrun_on_two_nodes_reproduces_one_process(tmp_path, warm_tiny, single_run):
     """`torchrun --nnodes 2 --node-rank r ... train.py trainer.num_nodes=2 parallelism.dp_replicate=2`, both "nodes"
     on this machine (gloo): HSDP's two replicas each train on their own rows and reproduce the one-process run step
     for step; only rank 0 generates, and the final checkpoint is gathered into rank 0 alone."""
-    steps, common = 2, ["report.eval_samples_per_task=0", "checkpoint.every_n_steps=0"]
-    single_dir, _ = train(tmp_path, steps, *common, name="single")  # also builds the tiny model both nodes load
     run_dir, port = tmp_path / "two_nodes", free_port()
-    argv = train_args(tmp_path, run_dir, steps, *common, "trainer.num_nodes=2", "parallelism.dp_replicate=2")
+    argv = train_args(warm_tiny, run_dir, 2, *COMMON, "trainer.num_nodes=2", "parallelism.dp_replicate=2")
     nodes = [
         subprocess.Popen(
             [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1", f"--node-rank={r}"]
@@ -81,11 +97,11 @@ def test_torchrun_on_two_nodes_reproduces_one_process(tmp_path):
     for node, output in zip(nodes, outputs):
         assert node.returncode == 0, output[-3000:]
     assert "GLOBAL_RANK: 1, MEMBER: 2/2" in outputs[1]  # one process group over both nodes
-    single, sharded = read_scalars(single_dir / "tensorboard"), read_scalars(run_dir / "tensorboard")
+    single, sharded = read_scalars(single_run / "tensorboard"), read_scalars(run_dir / "tensorboard")
     for tag in ("actor/loss", "actor/kl", "actor/entropy", "actor/grad_norm", "reward/success", "actor/action_tokens"):
         for (_, a), (_, b) in zip(single[tag], sharded[tag], strict=True):
             assert abs(a - b) <= 1e-5 * max(1.0, abs(a)), (tag, a, b)
-    final, reference = read_hf_weights(run_dir / "final_hf"), read_hf_weights(single_dir / "final_hf")
+    final, reference = read_hf_weights(run_dir / "final_hf"), read_hf_weights(single_run / "final_hf")
     assert final.keys() == reference.keys()
     for name, tensor in final.items():
         assert torch.allclose(tensor, reference[name], atol=1e-5), name
@@ -134,12 +150,14 @@ def test_only_global_rank_zero_builds_the_engine(tokenizer):
 
 
 @pytest.mark.slow
-def test_qwen3_5_with_fsdp_on_two_processes_matches_one(tmp_path):
+def test_qwen3_5_with_fsdp_on_two_processes_matches_one(tmp_path, warm_tiny_qwen3_5):
     """`train.py model.tiny.family=qwen3_5 trainer.devices=2 parallelism.dp_shard=2`: Qwen3.5 sharded with
     TorchTitan's parallelize_qwen3_5 and loaded one decoder layer at a time reproduces one process step for step."""
     common = ("report.eval_samples_per_task=0", "model.tiny.family=qwen3_5", "callbacks=none")
-    single = read_scalars(train(tmp_path, 2, *common, name="single")[0] / "tensorboard")
-    run_dir, _ = train(tmp_path, 2, *common, "trainer.devices=2", "parallelism.dp_shard=2", name="fsdp")
+    single = read_scalars(train(tmp_path, warm_tiny_qwen3_5, 2, *common, name="single")[0] / "tensorboard")
+    run_dir, _ = train(
+        tmp_path, warm_tiny_qwen3_5, 2, *common, "trainer.devices=2", "parallelism.dp_shard=2", name="fsdp"
+    )
     sharded = read_scalars(run_dir / "tensorboard")
     for tag in ("actor/loss", "actor/kl", "actor/entropy", "actor/grad_norm", "reward/success"):
         for (_, a), (_, b) in zip(single[tag], sharded[tag], strict=True):
