@@ -11,9 +11,11 @@ generated tasks, upstream and guarded), which `tests/test_swe_attacks.py` checks
 """
 
 import argparse
+import os
 import re
 import subprocess
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -328,27 +330,32 @@ DOCS = Path(__file__).resolve().parents[2] / "docs" / "reward_integrity.md"
 TABLE = re.compile(r"(<!-- attacks -->\n).*?(<!-- /attacks -->)", re.DOTALL)
 
 
-def red_team(folder: Path) -> dict[str, dict[str, tuple]]:
+def red_team(folder: Path, workers: int = os.cpu_count() or 1) -> dict[str, dict[str, tuple]]:
     """Every attack on a generated task of each of KINDS, graded upstream (`tamper: off`) and with the guard at its
-    default: `results[kind][attack]` = (upstream Grade, guarded Grade)."""
+    default: `results[kind][attack]` = (upstream Grade, guarded Grade). Each grade runs in a sandbox of its own,
+    `workers` at a time."""
     from canopy.envs.runtimes import RuntimeSettings, build_runtime
     from canopy.envs.swe_grading import grade
     from canopy.tools.swe_data import generate, read_jsonl
 
     instances = read_jsonl(generate(folder, max(KINDS.values()) + 1, seed=1)["train"])
     runtime = build_runtime(RuntimeSettings(kind="bwrap", image_root=str(folder / "images"), memory_mb=1024, pids=128))
-    results = {}
-    for kind, index in KINDS.items():
-        instance = instances[index]
-        repo = Repo.of(folder / "images", instance)
-        results[kind] = {
-            attack.name: tuple(
-                grade(runtime, instance, attack.patch(instance, repo), 60, tamper=t) for t in ("off", "restore")
-            )
-            for attack in ATTACKS
-            if attack.applies(instance)
-        }
-    return results
+    graded = {}
+    with ThreadPoolExecutor(workers) as pool:
+        for kind, index in KINDS.items():
+            instance = instances[index]
+            repo = Repo.of(folder / "images", instance)
+            graded[kind] = {
+                attack.name: [
+                    pool.submit(grade, runtime, instance, attack.patch(instance, repo), 60, tamper=t)
+                    for t in ("off", "restore")
+                ]
+                for attack in ATTACKS
+                if attack.applies(instance)
+            }
+    return {
+        kind: {name: tuple(g.result() for g in grades) for name, grades in by.items()} for kind, by in graded.items()
+    }
 
 
 def table(results: dict[str, dict[str, tuple]]) -> str:
