@@ -114,9 +114,9 @@ def main(rank: int, world: int, port: int, path: str, dp: int, tp: int, out: str
     loss, local_vocab, gathered = loss_and_grads(model, ids, targets, mask, advantages, ref, rows, mask.sum(), 7)
     if dp_size > 1:
         dist.all_reduce(loss, group=dims.get_mesh("batch").get_group())
-    # relative to each gradient's scale: max |g - g_ref| / max |g_ref|, per tensor
-    grad_diff = max(
-        ((unwrap(p.grad) - expected[name]).abs().max() / expected[name].abs().max().clamp_min(1e-12)).item()
+    # relative to each gradient's scale: max |g - g_ref| / max |g_ref|, per tensor (the worst one named)
+    grad_diff, grad_diff_tensor = max(
+        (((unwrap(p.grad) - expected[name]).abs().max() / expected[name].abs().max().clamp_min(1e-12)).item(), name)
         for name, p in model.named_parameters()
     )
     with mock.patch.object(DTensor, "full_tensor", autospec=True, side_effect=DTensor.full_tensor) as full_tensor:
@@ -132,6 +132,7 @@ def main(rank: int, world: int, port: int, path: str, dp: int, tp: int, out: str
                 "full_loss": full_loss.item(),
                 "loss": loss.item(),
                 "grad_diff": grad_diff,
+                "grad_diff_tensor": grad_diff_tensor,
                 "weight_diff": weight_diff,
                 "vocab": single.config.vocab_size,
                 "local_vocab": local_vocab,
