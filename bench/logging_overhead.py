@@ -67,11 +67,8 @@ DESIGNS = ("thread", "process")  # the writer as it was (a thread of the trainin
 
 
 def step_episodes(groups, advantages, reward_kind: str) -> list[dict]:
-    """A step's episodes as the trajectory log hands them to its writer (`plain_episode`)."""
-    advantages = advantages or {}
-    return [
-        trajectories.plain_episode(g, t, advantages.get(id(t)), reward_kind) for g, ts in enumerate(groups) for t in ts
-    ]
+    """A step's episodes as the trajectory log hands them to its writer (`plain_episodes`)."""
+    return trajectories.plain_episodes(groups, range(len(groups)), advantages, reward_kind)
 
 
 class Capture:

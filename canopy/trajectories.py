@@ -141,6 +141,12 @@ def plain_episode(group: int, t: Trajectory, advantage: float | None, reward_kin
     }
 
 
+def plain_episodes(groups: list[list[Trajectory]], chosen, advantages: dict | None, reward_kind: str) -> list[dict]:
+    """The episodes of the `chosen` groups as the writer is handed them (`plain_episode`); `advantages` by `id`."""
+    advantages = advantages or {}
+    return [plain_episode(g, t, advantages.get(id(t)), reward_kind) for g in chosen for t in groups[g]]
+
+
 def episode_records(episodes: list[dict], decoder, *, step: int, token_ids: bool) -> list[dict]:
     """The step's episodes (`plain_episode`) as JSON-ready dicts: the prompt, then per turn the action (mask 1) and
     the observation that followed it (mask 0), decoded with the special tokens kept, so the text is what the model
@@ -271,8 +277,7 @@ class TrajectoryLog:
         chosen = self.sampling.groups(stream, step, groups)
         if not chosen:
             return
-        advantages = advantages or {}
-        episodes = [plain_episode(g, t, advantages.get(id(t)), self.reward_kind) for g in chosen for t in groups[g]]
+        episodes = plain_episodes(groups, chosen, advantages, self.reward_kind)
         if self.process is None:
             self._start()
         self._hand_over((stream, step, episodes))
