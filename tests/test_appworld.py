@@ -7,12 +7,13 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
 from canopy.envs.appworld import AppWorldEnvironment
-from canopy.envs.base import AgentFailure, EnvironmentFault, Verdict
+from canopy.envs.base import AgentFailure, EnvironmentFault, SystemicFaultError, Verdict
 from canopy.envs.pool import EnvironmentPool, PoolSettings
 from canopy.eval.metrics import summarize
 from canopy.rollout.agent_loop import Budget, run_episodes
@@ -275,13 +276,12 @@ def test_servers_never_write_to_the_users_home(env_kwargs, monkeypatch, tmp_path
     monkeypatch.setenv("HOME", str(home))
     for variable in ("XDG_CACHE_HOME", "XDG_CONFIG_HOME", "XDG_DATA_HOME", "IPYTHONDIR", "APPWORLD_CACHE"):
         monkeypatch.delenv(variable, raising=False)
-    pool = EnvironmentPool(
-        "canopy.envs.appworld:AppWorldEnvironment", env_kwargs, SETTINGS, scratch_root=tmp_path / "scratch"
-    )
+    scratch = Path(tempfile.mkdtemp(prefix="canopy-home-"))  # short: a server's socket path lies below it
+    pool = EnvironmentPool("canopy.envs.appworld:AppWorldEnvironment", env_kwargs, SETTINGS, scratch_root=scratch)
     try:
         episode = pool.start(pool.tasks("train")[0], seed=0)
         observation = episode.step(code("import os\nprint('home is', os.path.expanduser('~'))")).observation
-        private = list((tmp_path / "scratch").glob("w*/appworld-*/home"))
+        private = list(scratch.glob("w*/appworld-*/home"))
         assert len(private) == 1 and (private[0] / ".ipython").is_dir()
         assert f"home is {private[0]}" in observation
         assert episode.verdict().total == 2
@@ -289,6 +289,18 @@ def test_servers_never_write_to_the_users_home(env_kwargs, monkeypatch, tmp_path
     finally:
         pool.close()
     assert list(home.iterdir()) == []
+
+
+def test_a_scratch_root_too_long_for_the_servers_sockets_stops_the_pool_at_start(env_kwargs, tmp_path):
+    """Unix socket paths hold 107 bytes: a scratch root that leaves no room for a server's socket is a broken
+    setup, named with its fix when the workers start, not a fault quarantined episode after episode."""
+    deep = tmp_path / ("d" * 60) / ("e" * 40)
+    pool = EnvironmentPool("canopy.envs.appworld:AppWorldEnvironment", env_kwargs, SETTINGS, scratch_root=deep)
+    try:
+        with pytest.raises(SystemicFaultError, match="over the 107 a unix socket path may have: give the environment"):
+            pool.tasks("train")
+    finally:
+        pool.close()
 
 
 def broken_root(env_kwargs, tmp_path) -> Path:

@@ -43,6 +43,7 @@ Fault attribution, from AppWorld's real behaviour:
   request for another task than its world's).
 """
 
+import functools
 import json
 import os
 import select
@@ -106,12 +107,20 @@ TASK_PROMPT = """\
 My name is: {first_name} {last_name}. My personal email is {email} and phone number is {phone_number}.
 Task: {instruction}"""
 SPLITS = ("train", "dev", "test_normal", "test_challenge")
+SOCKET_PATH_MAX = 107  # bytes: Linux's sun_path holds 108 with the terminating NUL
 
 
 def appworld_scratch() -> Path:
     """Where servers and graders keep their homes: the pool worker's scratch folder (cleared with the worker), else
-    a folder of their own under the temporary directory (never the whole of it: its homes are hidden from servers)."""
+    a folder of their own under the temporary directory (never the whole of it: its homes are hidden from servers).
+    A server's socket lies two levels below it, so its path must leave room for them."""
     scratch = Path(os.environ.get("CANOPY_SCRATCH_ROOT") or Path(tempfile.gettempdir()) / "canopy-appworld")
+    socket = scratch / "appworld-xxxxxxxx" / "server.sock"  # as `AppWorldServer` names it
+    if len(os.fsencode(socket)) > SOCKET_PATH_MAX:
+        raise ValueError(
+            f"AppWorld's server sockets would be {len(os.fsencode(socket))} bytes long under {scratch}, over the "
+            f"{SOCKET_PATH_MAX} a unix socket path may have: give the environment pool a shorter scratch root"
+        )
     scratch.mkdir(parents=True, exist_ok=True)
     return scratch
 
@@ -364,6 +373,15 @@ class AppWorldGrader:
         shutil.rmtree(self.home, ignore_errors=True)
 
 
+@functools.cache
+def app_descriptions(python: str, timeout_s: float) -> dict[str, str]:
+    """The apps' one-line descriptions (the system prompt lists them), read once per AppWorld python: they come from
+    the installed package, not the data root."""
+    code = "import json; from appworld.apps import APP_TO_DESCRIPTION as d; print(json.dumps(d))"
+    out = subprocess.run([python, "-c", code], capture_output=True, text=True, check=True, timeout=timeout_s)
+    return {name: text.strip() for name, text in json.loads(out.stdout).items() if name != "admin"}
+
+
 class AppWorldEnvironment:
     """AppWorld tasks from a data root (`data/tasks/`, `data/datasets/<split>.txt`), one server per process."""
 
@@ -387,11 +405,8 @@ class AppWorldEnvironment:
         self.max_observation_chars = max_observation_chars
         self.live: AppWorldServer | None = None
         self.judge: AppWorldGrader | None = None
-        code = "import json; from appworld.apps import APP_TO_DESCRIPTION as d; print(json.dumps(d))"
-        out = subprocess.run(
-            [self.python, "-c", code], capture_output=True, text=True, check=True, timeout=start_timeout_s
-        )
-        self.app_descriptions = {name: text.strip() for name, text in json.loads(out.stdout).items() if name != "admin"}
+        appworld_scratch()  # room for the servers' sockets, checked before any server starts
+        self.app_descriptions = app_descriptions(self.python, start_timeout_s)
 
     def tasks(self, split: str) -> list[Task]:
         path = Path(self.root) / "data" / "datasets" / f"{split}.txt"
