@@ -373,6 +373,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("instances", nargs="?", help="swebench 5.x instances (JSONL) to attack")
     parser.add_argument("--image-root", help="their unpacked images (bwrap), as swe_data generate writes")
     parser.add_argument("--tamper", default="restore", choices=("restore", "reject", "off"))
+    parser.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="sandboxes graded at a time")
     parser.add_argument("--docs", action="store_true", help=f"regenerate the table of {DOCS.name} instead")
     args = parser.parse_args(argv)
     if args.docs:
@@ -384,13 +385,19 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("give INSTANCES and --image-root, or --docs")
     runtime = build_runtime(RuntimeSettings(kind="bwrap", image_root=args.image_root))
     stolen = 0
-    for instance in read_jsonl(args.instances):
-        repo = Repo.of(args.image_root, instance)
-        for attack in ATTACKS:
-            if attack.applies(instance):
-                result = grade(runtime, instance, attack.patch(instance, repo), 600, tamper=args.tamper)
-                stolen += result.outcome == "resolved"
-                print(f"{instance['instance_id']} {attack.name}: {described(result)}", flush=True)
+    with ThreadPoolExecutor(args.workers) as pool:  # a sandbox per grade, printed in order
+        graded = []
+        for instance in read_jsonl(args.instances):
+            repo = Repo.of(args.image_root, instance)
+            for attack in ATTACKS:
+                if attack.applies(instance):
+                    patch = attack.patch(instance, repo)
+                    future = pool.submit(grade, runtime, instance, patch, 600, tamper=args.tamper)
+                    graded.append((f"{instance['instance_id']} {attack.name}", future))
+        for name, future in graded:
+            result = future.result()
+            stolen += result.outcome == "resolved"
+            print(f"{name}: {described(result)}", flush=True)
     print(f"{stolen} attacks resolved")
     raise SystemExit(1 if stolen else 0)
 
