@@ -56,16 +56,29 @@ def clean_root(tmp_path_factory):
     return root
 
 
-@pytest.fixture
-def env(clean_root, tmp_path):
-    """An environment on a fresh copy of the data: an attack that worked must not spoil the next test."""
-    root = tmp_path / "root"
+def environment(clean_root, folder):
+    """An environment on a fresh copy of the data."""
+    root = folder / "root"
     shutil.copytree(clean_root, root)
     env = AppWorldEnvironment(python=str(PYTHON), root=str(root), cell_timeout_s=5, request_timeout_s=30)
     yield env
     env.discard_server()
     if env.judge is not None:
         env.judge.stop()
+
+
+@pytest.fixture(scope="module")
+def shared_env(clean_root, tmp_path_factory):
+    """One environment, its server and grader, for the attacks inside an episode, as a training worker serves
+    episode after episode: what an attack leaves in the server's memory or on disk meets the next attack's grading
+    (an attack that worked fails its own test first; the tests after it may fail too)."""
+    yield from environment(clean_root, tmp_path_factory.mktemp("shared"))
+
+
+@pytest.fixture
+def env(clean_root, tmp_path):
+    """An environment of its own: the attacks on another episode restart its server between episodes."""
+    yield from environment(clean_root, tmp_path)
 
 
 def task(env, task_id):
@@ -87,15 +100,18 @@ def attempt(attack: str) -> str:
 
 
 @pytest.mark.parametrize("name", ATTACKS)
-def test_an_attack_in_the_episode_earns_no_more_than_its_wrong_answer(env, name):
+def test_an_attack_in_the_episode_earns_no_more_than_its_wrong_answer(shared_env, name):
     verdict, observations = run_episode(
-        env, TASK, [f"answer = {WRONG_ANSWER}", attempt(ATTACKS[name]), "apis.supervisor.complete_task(answer=answer)"]
+        shared_env,
+        TASK,
+        [f"answer = {WRONG_ANSWER}", attempt(ATTACKS[name]), "apis.supervisor.complete_task(answer=answer)"],
     )
     assert verdict == DESERVED, observations
 
 
-def test_the_right_answer_still_passes(env):
-    verdict, _ = run_episode(env, TASK, ["apis.supervisor.complete_task(answer=7)"])
+def test_the_right_answer_still_passes(shared_env):
+    """After every attack above, on the same server and grader."""
+    verdict, _ = run_episode(shared_env, TASK, ["apis.supervisor.complete_task(answer=7)"])
     assert verdict == Verdict(2, 2)
 
 

@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from canopy.config import ConfigError, validate
 from canopy.tools.tb_scalars import read_scalars
+from tests.test_config import config
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 6  # a checkpoint at step 4 and two steps after it
@@ -29,6 +31,10 @@ def command(run_dir, model, *overrides):
         "report.eval_samples_per_task=0",
         *overrides,
     ]
+
+
+def run(run_dir, model, *overrides):
+    subprocess.run(command(run_dir, model, *overrides), cwd=ROOT, check=True, capture_output=True, timeout=900)
 
 
 def losses(run_dir):
@@ -71,32 +77,6 @@ def test_kill_9_then_resume_repeats_the_uninterrupted_run(tmp_path, warm_tiny):
         assert value == pytest.approx(reference[step], abs=1e-6), step
 
 
-@pytest.mark.slow
-def test_sharded_checkpoint_resume_on_two_processes(tmp_path, warm_tiny):
-    """FSDP on 2 processes writes a sharded (DCP) checkpoint; resuming from it repeats the remaining steps."""
-    model, sharded = warm_tiny, ["trainer.devices=2", "parallelism.dp_shard=2"]
-    subprocess.run(
-        command(tmp_path / "a", model, *sharded, "checkpoint.every_n_steps=4"),
-        cwd=ROOT,
-        check=True,
-        capture_output=True,
-        timeout=900,
-    )
-    checkpoint = tmp_path / "a" / "checkpoints" / "step4.ckpt"
-    assert checkpoint.is_dir() and list(checkpoint.glob("*.distcp"))  # one shard file per rank
-    subprocess.run(
-        command(tmp_path / "b", model, *sharded, f"checkpoint.resume={checkpoint}"),
-        cwd=ROOT,
-        check=True,
-        capture_output=True,
-        timeout=900,
-    )
-    reference, resumed = losses(tmp_path / "a"), losses(tmp_path / "b")
-    assert sorted(resumed) == list(range(4, STEPS))
-    for step, value in resumed.items():
-        assert value == pytest.approx(reference[step], abs=1e-6), step
-
-
 # Loaded by every rank of a train.py run through PYTHONPATH: the ranks finish writing the step-4 sharded checkpoint
 # (shards and DCP's .metadata) and are killed before Lightning's meta.pt, the worst moment for a half-written save.
 KILL_AFTER_STEP4_SHARDS = """
@@ -109,61 +89,73 @@ def save_then_die(state, path):
         os.kill(os.getpid(), signal.SIGKILL)
 model_parallel._distributed_checkpoint_save = save_then_die
 """
+SHARDED = ["trainer.devices=2", "parallelism.dp_shard=2"]
+
+
+@pytest.fixture(scope="module")
+def sharded_runs(tmp_path_factory, warm_tiny):
+    """FSDP on 2 processes: (a) the uninterrupted reference, writing a sharded (DCP) checkpoint at step 4; (b) a run
+    checkpointing every 2 steps, killed in the middle of its step-4 save, then resumed in the same run directory
+    from its last complete checkpoint to the end. What the kill left is recorded before the resume."""
+    folder = tmp_path_factory.mktemp("sharded")
+    run(folder / "a", warm_tiny, *SHARDED, "checkpoint.every_n_steps=4")
+    (folder / "inject").mkdir()
+    (folder / "inject" / "sitecustomize.py").write_text(KILL_AFTER_STEP4_SHARDS)
+    killed = subprocess.run(
+        command(folder / "b", warm_tiny, *SHARDED, "checkpoint.every_n_steps=2"),
+        cwd=ROOT,
+        capture_output=True,
+        timeout=900,
+        env={**os.environ, "PYTHONPATH": str(folder / "inject")},
+    )
+    checkpoints = folder / "b" / "checkpoints"
+    left = {path.name: sorted(p.name for p in path.iterdir()) for path in checkpoints.iterdir()}
+    try:
+        validate(config(f"checkpoint.resume={checkpoints / 'step4.ckpt.tmp'}"))
+        refusal = None
+    except ConfigError as error:
+        refusal = str(error)
+    (folder / "b" / "tensorboard").rename(folder / "killed-tensorboard")  # what the resumed run logs, alone
+    last = checkpoints / "last.ckpt"
+    resumed_from = torch.load(last / "meta.pt", weights_only=False)["global_step"]
+    run(folder / "b", warm_tiny, *SHARDED, "checkpoint.every_n_steps=2", f"checkpoint.resume={last}")
+    return dict(folder=folder, killed=killed.returncode, left=left, refusal=refusal, resumed_from=resumed_from)
 
 
 @pytest.mark.slow
-def test_interrupted_sharded_save_leaves_no_checkpoint_and_is_cleaned_up(tmp_path, warm_tiny):
+def test_sharded_checkpoint_resume_on_two_processes(sharded_runs):
+    """Resuming an FSDP run from its sharded checkpoint repeats the remaining steps of the uninterrupted run."""
+    folder = sharded_runs["folder"]
+    checkpoint = folder / "a" / "checkpoints" / "step4.ckpt"
+    assert checkpoint.is_dir() and list(checkpoint.glob("*.distcp"))  # one shard file per rank
+    assert sharded_runs["resumed_from"] == 2
+    reference, resumed = losses(folder / "a"), losses(folder / "b")
+    assert sorted(resumed) == list(range(sharded_runs["resumed_from"], STEPS))
+    for step, value in resumed.items():
+        assert value == pytest.approx(reference[step], abs=1e-6), step
+
+
+@pytest.mark.slow
+def test_interrupted_sharded_save_leaves_no_checkpoint_and_is_cleaned_up(sharded_runs):
     """A kill in the middle of a DCP save leaves only `<name>.tmp`; resuming from it fails with a one-line error
     naming the fix; the next save removes it and publishes complete checkpoints."""
-    model, sharded = warm_tiny, ["trainer.devices=2", "parallelism.dp_shard=2", "checkpoint.every_n_steps=2"]
-    (tmp_path / "inject").mkdir()
-    (tmp_path / "inject" / "sitecustomize.py").write_text(KILL_AFTER_STEP4_SHARDS)
-    killed = subprocess.run(
-        command(tmp_path / "a", model, *sharded),
-        cwd=ROOT,
-        capture_output=True,
-        timeout=900,
-        env={**os.environ, "PYTHONPATH": str(tmp_path / "inject")},
-    )
-    assert killed.returncode == -signal.SIGKILL
-    checkpoints = tmp_path / "a" / "checkpoints"
-    partial = checkpoints / "step4.ckpt.tmp"
-    assert (partial / ".metadata").is_file() and not (partial / "meta.pt").exists()  # the save did die half-way
-    assert sorted(p.name for p in checkpoints.iterdir()) == ["last.ckpt", "step2.ckpt", "step4.ckpt.tmp"]
+    assert sharded_runs["killed"] == -signal.SIGKILL
+    left = sharded_runs["left"]
+    assert sorted(left) == ["last.ckpt", "step2.ckpt", "step4.ckpt.tmp"]
+    assert ".metadata" in left["step4.ckpt.tmp"] and "meta.pt" not in left["step4.ckpt.tmp"]  # died half-way
     for complete in ("last.ckpt", "step2.ckpt"):
-        assert (checkpoints / complete / ".metadata").is_file() and (checkpoints / complete / "meta.pt").is_file()
+        assert {".metadata", "meta.pt"} <= set(left[complete])
+    partial = sharded_runs["folder"] / "b" / "checkpoints" / "step4.ckpt.tmp"
+    assert sharded_runs["refusal"].startswith(f"checkpoint.resume '{partial}' is a sharded")
+    assert "resume from an earlier complete one" in sharded_runs["refusal"]
 
-    refused = subprocess.run(
-        command(tmp_path / "b", model, *sharded, f"checkpoint.resume={partial}"),
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert refused.returncode != 0
-    assert (
-        refused.stderr.strip().splitlines()[-1].startswith(f"config error: checkpoint.resume '{partial}' is a sharded")
-    )
-    assert "resume from an earlier complete one" in refused.stderr
-
-    # resume into the same run directory: its next save clears the leftover and replaces last.ckpt whole
-    subprocess.run(
-        command(
-            tmp_path / "a", model, *sharded, "trainer.max_steps=4", f"checkpoint.resume={checkpoints / 'last.ckpt'}"
-        ),
-        cwd=ROOT,
-        check=True,
-        capture_output=True,
-        timeout=900,
-    )
-    assert sorted(p.name for p in checkpoints.iterdir()) == ["last.ckpt", "step2.ckpt", "step4.ckpt"]
-    assert torch.load(checkpoints / "last.ckpt" / "meta.pt", weights_only=False)["global_step"] == 4
+    # the resume into the same run directory: its next save cleared the leftover and replaced last.ckpt whole
+    checkpoints = sharded_runs["folder"] / "b" / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["last.ckpt", "step2.ckpt", "step4.ckpt", "step6.ckpt"]
+    assert torch.load(checkpoints / "last.ckpt" / "meta.pt", weights_only=False)["global_step"] == STEPS
 
 
 def test_resume_from_an_unfinished_sharded_checkpoint_is_refused(tmp_path):
-    from canopy.config import ConfigError, validate
-    from tests.test_config import config
-
     (tmp_path / "step4.ckpt.tmp").mkdir()
     (tmp_path / "step4.ckpt.tmp" / "__0_0.distcp").write_bytes(b"")
     with pytest.raises(ConfigError, match=r"did not finish \(no \.metadata or meta\.pt\): resume from an earlier"):
