@@ -74,8 +74,11 @@ lint: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 
+# pytest-xdist, one worker per core, each test file on one worker (a file's module fixtures are built once);
+# PYTEST_WORKERS=0 runs the suite in this process
+PYTEST_WORKERS ?= $(shell nproc)
 test: lint $(APPWORLD_STAMP) $(SGLANG_API_STAMP) system
-	$(PY) -m pytest -q -ra --durations=25 $(PYTEST_ARGS)
+	$(PY) -m pytest -q -ra -n $(PYTEST_WORKERS) --dist loadfile --durations=25 $(PYTEST_ARGS)
 
 # The lent GPU machine (README, "Verified where"): its bundle of wheels, and its setup rehearsed here on torch 2.11
 device-bundle: $(STAMP)

@@ -1,7 +1,14 @@
+import os
 from pathlib import Path
 
-import pytest
-from transformers import AutoTokenizer
+if "PYTEST_XDIST_WORKER" in os.environ:  # `make test` runs pytest-xdist workers: each gets its share of the cores,
+    # or their OpenMP threads (and those of the ranks and runs they start) spin against each other
+    workers = int(os.environ["PYTEST_XDIST_WORKER_COUNT"])
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // workers)))
+
+import pytest  # noqa: E402
+from filelock import FileLock  # noqa: E402
+from transformers import AutoTokenizer  # noqa: E402
 
 from canopy.modules.canopy_module import silence_benign_warnings
 from canopy.tools.tiny_model import build_tiny_checkpoint
@@ -13,10 +20,24 @@ def benign_warnings_silenced():
     silence_benign_warnings()
 
 
+def built_once(tmp_path_factory, name: str, build) -> Path:
+    """`build(folder)` once per session; under pytest-xdist once for all workers: the first to ask builds it under
+    a lock, the others read where it is (tests only read what these builds make)."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        return build(tmp_path_factory.mktemp(name))
+    folder = tmp_path_factory.getbasetemp().parent / name
+    built = folder / "built-at"
+    with FileLock(f"{folder}.lock"):
+        if not built.exists():
+            folder.mkdir()
+            built.write_text(str(build(folder)))
+    return Path(built.read_text())
+
+
 @pytest.fixture(scope="session")
 def tiny_path(tmp_path_factory):
     """A tiny random Qwen3 HF checkpoint with the word-level tokenizer, built locally once per session."""
-    return build_tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny-qwen3", seed=0)
+    return built_once(tmp_path_factory, "ckpt", lambda folder: build_tiny_checkpoint(folder / "tiny-qwen3", seed=0))
 
 
 @pytest.fixture(scope="session")
@@ -27,7 +48,11 @@ def tokenizer(tiny_path):
 @pytest.fixture(scope="session")
 def tiny_path_even_vocab(tmp_path_factory):
     """The same tiny Qwen3 with its vocabulary padded to a multiple of 8, so every dimension shards evenly."""
-    return build_tiny_checkpoint(tmp_path_factory.mktemp("ckpt8") / "tiny-qwen3", seed=0, pad_vocab_multiple=8)
+    return built_once(
+        tmp_path_factory,
+        "ckpt8",
+        lambda folder: build_tiny_checkpoint(folder / "tiny-qwen3", seed=0, pad_vocab_multiple=8),
+    )
 
 
 def warm_tiny_model(folder: Path, *overrides: str) -> Path:
@@ -42,13 +67,15 @@ def warm_tiny_model(folder: Path, *overrides: str) -> Path:
 @pytest.fixture(scope="session")
 def warm_tiny(tmp_path_factory):
     """The tiny Qwen3 the tests' train.py runs start from, built once per session (each run reads it)."""
-    return warm_tiny_model(tmp_path_factory.mktemp("warm") / "tiny")
+    return built_once(tmp_path_factory, "warm", lambda folder: warm_tiny_model(folder / "tiny"))
 
 
 @pytest.fixture(scope="session")
 def warm_tiny_qwen3_5(tmp_path_factory):
     """The same for `model.tiny.family=qwen3_5`."""
-    return warm_tiny_model(tmp_path_factory.mktemp("warm_qwen3_5") / "tiny", "model.tiny.family=qwen3_5")
+    return built_once(
+        tmp_path_factory, "warm_qwen3_5", lambda folder: warm_tiny_model(folder / "tiny", "model.tiny.family=qwen3_5")
+    )
 
 
 @pytest.fixture(scope="session")
