@@ -2,7 +2,9 @@
 
 import os
 import shutil
+import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -95,6 +97,26 @@ def test_fork_bomb_leaves_no_process_behind(scratch):
                 except (FileNotFoundError, ProcessLookupError):
                     pass
         assert (uid, "S") not in owners and (uid, "R") not in owners, [o for o in owners if o[0] == uid]
+
+
+def test_orphans_are_adopted_only_while_a_sandbox_runs(scratch):
+    """After a sandbox, the orphans of whatever else this process starts go to init, not to a parent that never
+    waits for them (a subreaper for good piled up 766 zombies under one test process)."""
+    assert run("print(1)", scratch).status == "ok"
+    sleepers = [
+        int(subprocess.run(["sh", "-c", "sleep 0.1 & echo $!"], capture_output=True, text=True, check=True).stdout)
+        for _ in range(3)
+    ]  # each outlives its shell: an orphan
+    time.sleep(1)
+    assert [pid for pid in sleepers if parent_of(pid) == os.getpid()] == []
+
+
+def parent_of(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except FileNotFoundError:
+        return None
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="the sandbox user exists only when running as root")

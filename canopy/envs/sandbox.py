@@ -14,6 +14,7 @@ killed by uid. Unprivileged callers get a user namespace instead, and a process 
 count + `max_processes`).
 """
 
+import contextlib
 import ctypes
 import fcntl
 import functools
@@ -118,10 +119,18 @@ def sandbox_python(uid: int | None) -> str:
     )
 
 
-@functools.cache
-def _become_subreaper() -> None:
-    """Orphans of sandboxed code are re-parented to this process instead of init, so `kill_uid` can reap them."""
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+@contextlib.contextmanager
+def _subreaper():
+    """While a sandbox runs and is cleaned up, orphans of its code are re-parented to this process instead of init,
+    so that `kill_uid` can reap them. Afterwards this process is an ordinary parent again: a subreaper for good
+    adopts the orphans of everything it starts later, and nothing reaps those (766 zombies once piled up under one
+    test process)."""
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    try:
+        yield
+    finally:
+        prctl(PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0)
 
 
 def _processes():
@@ -187,13 +196,12 @@ def run_sandboxed(code: str, scratch: Path, limits: SandboxLimits) -> ExecResult
     """Run `code` confined in `scratch`. The sandboxes of one process share its uid and end by killing every
     process of that uid, so they run one at a time: concurrent episodes of an in-process environment would
     otherwise kill (and reap) each other's code. A pool runs them in parallel, one uid per worker."""
-    with _ONE_AT_A_TIME:
+    with _ONE_AT_A_TIME, _subreaper():
         return _run_sandboxed(code, scratch, limits)
 
 
 def _run_sandboxed(code: str, scratch: Path, limits: SandboxLimits) -> ExecResult:
     uid = sandbox_uid()
-    _become_subreaper()
     nproc = limits.max_processes if uid is not None else _process_count(os.getuid()) + limits.max_processes
     ready, ready_signal = os.pipe()  # the runner writes b"1" to `ready_signal` once confined, before the code runs
     settings = {**asdict(limits), "uid": uid, "nproc": nproc, "parent_pid": os.getpid(), "ready_fd": ready_signal}
