@@ -119,6 +119,12 @@ def main(rank: int, world: int, port: int, path: str, dp: int, tp: int, out: str
         (((unwrap(p.grad) - expected[name]).abs().max() / expected[name].abs().max().clamp_min(1e-12)).item(), name)
         for name, p in model.named_parameters()
     )
+    # the same step again on the same rank: a race (a collective's buffer read early) would not repeat exactly,
+    # float summation order on this machine would (reported with a failure, not asserted)
+    first = {name: unwrap(p.grad).clone() for name, p in model.named_parameters()}
+    model.zero_grad()
+    loss_and_grads(model, ids, targets, mask, advantages, ref, rows, mask.sum(), 7)
+    rerun_grad_diff = max((unwrap(p.grad) - first[name]).abs().max().item() for name, p in model.named_parameters())
     with mock.patch.object(DTensor, "full_tensor", autospec=True, side_effect=DTensor.full_tensor) as full_tensor:
         exported = dict(iter_hf_weights(model, adapter, gather_on_rank0))
     expected_export = export_hf_state_dict(single, single_adapter)
@@ -133,6 +139,8 @@ def main(rank: int, world: int, port: int, path: str, dp: int, tp: int, out: str
                 "loss": loss.item(),
                 "grad_diff": grad_diff,
                 "grad_diff_tensor": grad_diff_tensor,
+                "rerun_grad_diff": rerun_grad_diff,
+                "machine": f"{torch.backends.cpu.get_cpu_capability()}, {torch.get_num_threads()} threads",
                 "weight_diff": weight_diff,
                 "vocab": single.config.vocab_size,
                 "local_vocab": local_vocab,
