@@ -69,10 +69,12 @@ sglang:
 	$(SGLANG_VENV)/bin/python -m pip install -q sglang==$(SGLANG_VERSION)
 	@echo "launch servers from it: engine.sglang.python=$(SGLANG_VENV)/bin/python"
 
-# ruff lint and format (pyproject.toml: line length 120), then pytest
+# ruff lint and format (pyproject.toml: line length 120), the import layers (pyproject.toml: tool.importlinter),
+# then pytest
 lint: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
+	$(VENV)/bin/lint-imports --no-cache
 
 # pytest-xdist, one worker per core, each test file on one worker (a file's module fixtures are built once);
 # PYTEST_WORKERS=0 runs the suite in this process

@@ -13,18 +13,19 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from canopy.build import (
-    build_budget,
     build_engine,
     build_env,
-    build_sampling,
     build_tokenizer,
     build_trajectory_log,
     ensure_model,
 )
-from canopy.config import ConfigError, mean_group_size, validate, validate_eval
+from canopy.config import mean_group_size, validate, validate_eval
 from canopy.envs.base import SystemicFaultError
+from canopy.errors import ConfigError
 from canopy.eval.pilot import format_pilot, pilot_report
 from canopy.eval.runner import budget_label, checkpoint_weights, evaluation, sample_runs, write_results
+from canopy.rollout.agent_loop import Budget
+from canopy.rollout.engine import SamplingParams
 from canopy.tools.plots import plot_budget_transfer, plot_coverage
 from canopy.tools.viewer import build_viewer
 
@@ -70,7 +71,7 @@ def main(cfg: DictConfig) -> None:
 
 def run(cfg: DictConfig, env, engine, tokenizer, tasks, out_dir: Path, trajectory_log=None) -> None:
     """The pilot (per-tier base success and Eq. 5's group size) or the evaluation (Table 3 rows, Fig. 5)."""
-    budget, sampling = build_budget(cfg), build_sampling(cfg)
+    budget, sampling = Budget.of(cfg.budget), SamplingParams.of(cfg.sampling)
     if cfg.pilot:
         runs = sample_runs(
             engine,

@@ -9,8 +9,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from canopy.build import build_datamodule, build_engine_handle, build_module, build_strategy, ensure_model
 from canopy.callbacks import RolloutViewer, build_callbacks
-from canopy.config import ConfigError, mean_group_size, validate
+from canopy.config import mean_group_size, validate
 from canopy.envs.base import SystemicFaultError
+from canopy.errors import ConfigError
 from canopy.loggers import build_loggers, finish_loggers
 from canopy.memory import check_memory
 from canopy.mismatch import OffPolicyError

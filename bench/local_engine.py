@@ -30,9 +30,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from canopy.build import build_budget, build_env, build_sampling, build_tokenizer, ensure_model  # noqa: E402
+from canopy.build import build_env, build_tokenizer, ensure_model  # noqa: E402
 from canopy.config import validate  # noqa: E402
-from canopy.rollout.agent_loop import run_episodes  # noqa: E402
+from canopy.rollout.agent_loop import Budget, run_episodes  # noqa: E402
 from canopy.rollout.engine import LocalEngine, SamplingParams  # noqa: E402
 from canopy.tools.memory_plan import compose_config  # noqa: E402
 
@@ -75,7 +75,7 @@ def rollouts(args) -> None:
     validate(cfg)
     model_path = ensure_model(cfg)
     tokenizer, env = build_tokenizer(cfg, model_path), build_env(cfg)
-    budget, sampling = build_budget(cfg), build_sampling(cfg)
+    budget, sampling = Budget.of(cfg.budget), SamplingParams.of(cfg.sampling)
     stops = [tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")]
     common = (model_path, stops, tokenizer.pad_token_id, cfg.seed)
     engines = {

@@ -1,18 +1,17 @@
 """Builds the run's parts from a validated config: tokenizer, environment, engine, budget, data and module."""
 
 import fcntl
-from dataclasses import fields
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 from transformers import AutoTokenizer
 
 from canopy.compat import require_multiprocess_torch
-from canopy.config import ConfigError
 from canopy.datamodules.rollout import AdaptiveGroups, RolloutDataModule
 from canopy.envs import environment_factory, environment_kwargs
 from canopy.envs.pool import EnvironmentPool, PoolSettings
 from canopy.envs.worker import build_environment
+from canopy.errors import ConfigError
 from canopy.mismatch import RolloutCorrection
 from canopy.modules.canopy_module import CanopyModule
 from canopy.modules.parallel import ParallelSettings
@@ -95,14 +94,6 @@ def build_trajectory_log(cfg: DictConfig, tokenizer, model_path: str, root: str 
     return TrajectoryLog(root, tokenizer, model_path, sampling, cfg.algorithm.reward)
 
 
-def build_budget(cfg: DictConfig) -> Budget:
-    return Budget(**{field.name: cfg.budget[field.name] for field in fields(Budget)})
-
-
-def build_sampling(cfg: DictConfig) -> SamplingParams:
-    return SamplingParams(temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p, top_k=cfg.sampling.top_k)
-
-
 def engine_dtype(cfg: DictConfig, model_path: str) -> str:
     """The dtype the engine will compute in, known before (and without) building it."""
     if cfg.engine.name == "sglang":
@@ -137,8 +128,8 @@ def build_datamodule(
         split=cfg.data.split,
         tasks_per_step=cfg.data.tasks_per_step,
         group_size=build_group_size(cfg),
-        budget=build_budget(cfg),
-        sampling=build_sampling(cfg),
+        budget=Budget.of(cfg.budget),
+        sampling=SamplingParams.of(cfg.sampling),
         reward=cfg.algorithm.reward,
         drop_hardest=cfg.data.drop_hardest,
         hardest_tier=cfg.data.hardest_tier,

@@ -10,6 +10,8 @@ it imports nothing.
 
 from importlib.metadata import PackageNotFoundError, version
 
+from canopy.errors import ConfigError
+
 MULTIPROCESS_TORCH = (2, 13)
 
 
@@ -55,6 +57,4 @@ def let_torchtitan_import(fsdp=None) -> bool:
 def require_multiprocess_torch(world_size: int) -> None:
     """A run of several processes needs torch >= 2.13: refuse it at start, in one line, on an older one."""
     if world_size > 1 and torch_version() < MULTIPROCESS_TORCH:
-        from canopy.config import ConfigError
-
         raise ConfigError(multiprocess_error())

@@ -5,28 +5,9 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from canopy.errors import ConfigError, is_int, require
+
 ENGINES = ("local", "sglang")
-CP_NEEDS_GPU = (
-    "parallelism.cp > 1: context parallel needs GPUs (SDPA has no CPU sharding rule); set trainer.accelerator=gpu "
-    "or use parallelism.dp_shard and parallelism.tp"
-)
-CP_SEQ_MEAN = (
-    "algorithm.loss_aggregation=seq-mean with parallelism.cp > 1: per-sequence means need whole sequences on a rank; "
-    "use token-mean (the recipe) or parallelism.cp=1"
-)
-
-
-class ConfigError(ValueError):
-    """A configuration value Canopy cannot run with; the message says what to change."""
-
-
-def require(condition: bool, message: str) -> None:
-    if not condition:
-        raise ConfigError(message)
-
-
-def is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def mean_group_size(cfg: DictConfig) -> int:
@@ -126,6 +107,8 @@ def validate(cfg: DictConfig) -> None:
         f"trainer.rollout_timeout_s={t.rollout_timeout_s} must be a positive integer: how long the other ranks wait "
         "for rank 0's rollout step or evaluation",
     )
+    from canopy.modules.canopy_module import CP_NEEDS_GPU, CP_SEQ_MEAN  # the module checks them again
+
     require(p.cp == 1 or t.accelerator != "cpu", CP_NEEDS_GPU)
     require(p.cp == 1 or a.loss_aggregation == "token-mean", CP_SEQ_MEAN)
     require(

@@ -9,7 +9,7 @@ from pathlib import Path
 from lightning.pytorch.loggers import Logger, MLFlowLogger, TensorBoardLogger, WandbLogger
 from omegaconf import DictConfig
 
-from canopy.config import ConfigError
+from canopy.errors import ConfigError
 from canopy.trajectories import read_step, step_files
 
 KNOWN = ("tensorboard", "wandb", "mlflow")

@@ -27,7 +27,7 @@ from unittest import mock
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from canopy.config import ConfigError
+from canopy.errors import ConfigError
 
 GIB = 1 << 30
 GPUS = {"A100-80GB": 80.0, "H100-80GB": 79.6, "H200-141GB": 140.4}  # GiB, the total nvidia-smi reports

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from canopy.config import require
+from canopy.errors import require
 
 CORRECTIONS = ("none", "token_tis", "token_mask", "sequence_mask")
 

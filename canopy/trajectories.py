@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from canopy.coverage import group_composition
+from canopy.errors import ConfigError, is_int
 
 if TYPE_CHECKING:
     from canopy.rollout.agent_loop import Trajectory
@@ -70,7 +71,6 @@ class Sampling:
 
 def sampling_of(section) -> Sampling | None:
     """The config's `trajectories` section as `Sampling` (None when disabled), each key checked with its fix."""
-    from canopy.config import ConfigError, is_int
 
     if not section.enabled:
         return None

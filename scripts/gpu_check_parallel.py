@@ -91,7 +91,7 @@ def write_random_qwen3_5(path: Path, shape: dict) -> Path:
 def synthetic_batch(shape: dict, step: int, version: int):
     """A packed rollout batch: prompt tokens first (mask 0), then alternating action / observation spans; rows
     shorter by 7 tokens each, so that micro-batches differ in width and CP pads them."""
-    from canopy.datamodules.rollout import RolloutBatch
+    from canopy.rollout_batch import RolloutBatch
 
     g = torch.Generator().manual_seed(step)
     rows, width = shape["rows"], shape["seq_len"]

@@ -226,7 +226,8 @@ def test_an_episode_whose_world_was_replaced_is_corrupted(env_kwargs):
     ],
 )
 def test_appworld_config_names_the_fix(env_kwargs, tiny_path, override, message):
-    from canopy.config import ConfigError, validate
+    from canopy.config import validate
+    from canopy.errors import ConfigError
     from tests.test_config import config
 
     cfg = config(

@@ -18,11 +18,11 @@ from canopy.callbacks import (
     RolloutViewer,
     build_callbacks,
 )
-from canopy.config import ConfigError
 from canopy.coverage import signal_coverage
 from canopy.datamodules.rollout import StepStats, rollout_metrics, score_groups
 from canopy.envs.base import Task
 from canopy.envs.embedded import EmbeddedEnvironment
+from canopy.errors import ConfigError
 from canopy.mismatch import OffPolicyError
 from canopy.rollout.engine import LocalEngine
 from canopy.tools.tb_scalars import read_scalars

@@ -7,7 +7,7 @@ import pytest
 import torch.distributed.fsdp
 
 from canopy import compat
-from canopy.config import ConfigError
+from canopy.errors import ConfigError
 
 
 def test_an_older_torch_gets_a_stand_in_that_refuses_use():

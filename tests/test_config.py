@@ -6,7 +6,8 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from canopy.build import build_env
-from canopy.config import ConfigError, validate
+from canopy.config import validate
+from canopy.errors import ConfigError
 
 CONF = str(Path(__file__).resolve().parents[1] / "conf")
 

@@ -18,13 +18,13 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torchtitan.models.common.attention import ScaledDotProductAttention
 
-from canopy.config import ConfigError
-from canopy.datamodules.rollout import RolloutBatch
+from canopy.errors import ConfigError
 from canopy.modules.canopy_module import CanopyModule
 from canopy.modules.logprobs import sequence_inputs
 from canopy.modules.parallel import ParallelSettings, all_reduce_sum, build_parallel_policy, data_parallel_rank
 from canopy.modules.policy import load_policy, unwrap
 from canopy.objective import canopy_loss
+from canopy.rollout_batch import RolloutBatch
 from tests.parallel_worker import run_ranks, spawn_from_argv
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -99,8 +99,8 @@ def test_fault_rate_fails_that_fraction_of_turns_the_same_way_every_run():
 def test_fault_rate_is_checked_with_the_fix():
     from omegaconf import OmegaConf
 
-    from canopy.config import ConfigError
     from canopy.envs import environment_kwargs
+    from canopy.errors import ConfigError
 
     kwargs = environment_kwargs(OmegaConf.create({"name": "embedded", "fault_rate": 0.05}))
     assert kwargs == {"fault_rate": 0.05, "declare_done": False}
@@ -172,8 +172,8 @@ def test_declare_done_tasks_are_solvable_in_tier_plus_one_turns(split):
 def test_declare_done_is_checked_with_the_fix():
     from omegaconf import OmegaConf
 
-    from canopy.config import ConfigError
     from canopy.envs import environment_kwargs
+    from canopy.errors import ConfigError
 
     assert environment_kwargs(OmegaConf.create({"name": "embedded", "declare_done": True}))["declare_done"] is True
     with pytest.raises(ConfigError, match="env.declare_done='yes' must be true or false"):

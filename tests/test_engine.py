@@ -108,7 +108,8 @@ def test_a_bfloat16_engine_samples_near_the_float32_trainer_but_not_equal(tiny_p
     [("engine.dtype=fp8", "engine.dtype='fp8' is unknown"), ("engine.device=tpu", "engine.device='tpu' is unknown")],
 )
 def test_engine_dtype_and_device_are_validated(override, message):
-    from canopy.config import ConfigError, validate
+    from canopy.config import validate
+    from canopy.errors import ConfigError
     from canopy.tools.memory_plan import compose_config
 
     with pytest.raises(ConfigError, match=message):

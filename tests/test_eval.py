@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from canopy.config import ConfigError
 from canopy.envs.base import Task
 from canopy.envs.embedded import make_tasks
+from canopy.errors import ConfigError
 from canopy.eval.metrics import best_at_k, mean_at_k, sgc, sgc_best_at_k, sgc_mean_at_k, summarize, tgc
 from canopy.eval.pilot import format_pilot, pilot_report
 from canopy.eval.runner import checkpoint_weights, format_table3

@@ -7,7 +7,7 @@ import json
 import pytest
 from lightning.pytorch.loggers import MLFlowLogger, TensorBoardLogger, WandbLogger
 
-from canopy.config import ConfigError
+from canopy.errors import ConfigError
 from canopy.loggers import EPISODE_COLUMNS, build_loggers
 from canopy.tools.tb_scalars import read_scalars
 from tests.test_config import config

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from bench.memory_plan import CASES, compare
-from canopy.config import ConfigError
+from canopy.errors import ConfigError
 from canopy.memory import (
     GIB,
     GPUS,

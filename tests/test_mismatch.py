@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from canopy.config import ConfigError
+from canopy.errors import ConfigError
 from canopy.mismatch import (
     GapBounds,
     RolloutCorrection,

@@ -112,7 +112,8 @@ def test_torchrun_on_two_nodes_reproduces_one_process(tmp_path, warm_tiny, singl
 
 def test_parallel_degrees_must_match_devices_and_nodes():
     from canopy.build import build_strategy
-    from canopy.config import ConfigError, validate
+    from canopy.config import validate
+    from canopy.errors import ConfigError
     from tests.test_config import config
 
     with pytest.raises(ConfigError, match="trainer.devices=2 x trainer.num_nodes=1"):

@@ -2,7 +2,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer, Qwen3ForCausalLM
 
-from canopy.config import ConfigError
+from canopy.errors import ConfigError
 from canopy.modules.policy import (
     export_hf_state_dict,
     iter_hf_weights,

@@ -116,7 +116,7 @@ def test_local_engine_samples_qwen3_5_with_the_trainers_logprobs(qwen3_5_path):
 
 
 def test_tensor_parallel_qwen3_5_on_cpu_is_refused_in_one_line(qwen3_5_path):
-    from canopy.config import ConfigError
+    from canopy.errors import ConfigError
     from canopy.modules.parallel import ParallelSettings, build_parallel_policy
 
     with pytest.raises(ConfigError, match="use parallelism.dp_shard \\(FSDP\\), or GPUs"):

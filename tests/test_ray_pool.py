@@ -14,11 +14,12 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from canopy.build import build_env
-from canopy.config import ConfigError, validate
+from canopy.config import validate
 from canopy.envs import ray_pool
 from canopy.envs.base import AgentFailure, EnvironmentFault, SystemicFaultError, Task
 from canopy.envs.pool import EnvironmentPool, PoolSettings
 from canopy.envs.ray_pool import RayEnvironment
+from canopy.errors import ConfigError
 from canopy.rollout.agent_loop import Budget, run_episodes
 from canopy.rollout.engine import SamplingParams
 from canopy.tools.tb_scalars import read_scalars

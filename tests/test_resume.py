@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from canopy.config import ConfigError, validate
+from canopy.config import validate
+from canopy.errors import ConfigError
 from canopy.tools.tb_scalars import read_scalars
 from tests.test_config import config
 

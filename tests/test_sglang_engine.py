@@ -18,9 +18,10 @@ from transformers import Qwen3ForCausalLM
 
 from canopy.build import build_engine
 from canopy.callbacks import BudgetTransferEval
-from canopy.config import ConfigError, validate
+from canopy.config import validate
 from canopy.envs.base import Task
 from canopy.envs.embedded import EmbeddedEnvironment
+from canopy.errors import ConfigError
 from canopy.rollout.agent_loop import Budget, render_prompt, run_episodes
 from canopy.rollout.engine import SamplingParams
 from canopy.rollout.sglang_engine import (

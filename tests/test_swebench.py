@@ -17,13 +17,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from canopy.config import ConfigError
 from canopy.datamodules.rollout import rollout_metrics
 from canopy.envs.base import EnvironmentFault, Task
 from canopy.envs.pool import EnvironmentPool, PoolSettings
 from canopy.envs.runtimes import RuntimeSettings, SandboxError, build_runtime, cgroups_usable, safe_image_name
 from canopy.envs.swe_grading import grade
 from canopy.envs.swebench import SWEBenchEnvironment, harness, instance_task
+from canopy.errors import ConfigError
 from canopy.rollout.agent_loop import Budget, Trajectory, run_episodes
 from canopy.rollout.engine import Generation, SamplingParams
 from canopy.tools import swe_data
@@ -589,6 +589,7 @@ def test_bwrap_runs_rootless(generated):
         for module in (
             "canopy/__init__.py",
             "canopy/compat.py",
+            "canopy/errors.py",
             "canopy/envs/__init__.py",
             "canopy/envs/runtimes.py",
             "tests/rootless_probe.py",

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from canopy.config import ConfigError
 from canopy.envs.base import Task
 from canopy.envs.embedded import EmbeddedEnvironment
+from canopy.errors import ConfigError
 from canopy.trajectories import (
     Sampling,
     TrajectoryLog,

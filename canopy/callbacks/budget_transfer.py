@@ -8,9 +8,10 @@ from pathlib import Path
 import lightning as L
 from omegaconf import DictConfig, OmegaConf
 
-from canopy.build import build_budget, build_sampling
 from canopy.eval.runner import budget_label, evaluation, sample_runs, with_budget, write_results
 from canopy.modules.parallel import alone_on_rank0
+from canopy.rollout.agent_loop import Budget
+from canopy.rollout.engine import SamplingParams
 from canopy.tools.plots import plot_budget_transfer
 
 
@@ -114,8 +115,8 @@ class BudgetTransferEval(L.Callback):
                 dm.tokenizer,
                 tasks,
                 self.k,
-                build_budget(cfg),
-                build_sampling(cfg),
+                Budget.of(cfg.budget),
+                SamplingParams.of(cfg.sampling),
                 seed=cfg.seed,
                 description=f"eval {cfg.budget.name} step {step}",
                 max_quarantine_fraction=dm.max_quarantine_fraction,

@@ -7,7 +7,7 @@ import warnings
 
 import lightning as L
 
-from canopy.config import ConfigError
+from canopy.errors import ConfigError
 from canopy.mismatch import GapBounds, OffPolicyError
 
 

@@ -5,6 +5,8 @@ class) and `environment_kwargs(env)`, which checks its `env.*` keys and returns 
 import importlib
 import pkgutil
 
+from canopy.errors import ConfigError
+
 
 def available() -> list[str]:
     """The environments of this build: the modules here that define `ENVIRONMENT`."""
@@ -14,7 +16,6 @@ def available() -> list[str]:
 
 def environment_module(name: str):
     """`canopy.envs.<name>`, the one place an environment is registered."""
-    from canopy.config import ConfigError
 
     try:
         module = importlib.import_module(f"{__name__}.{name}")

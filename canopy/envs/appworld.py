@@ -69,6 +69,7 @@ from canopy.envs.base import (
 )
 from canopy.envs.pool import PoolSettings
 from canopy.envs.sandbox import confined, private_home
+from canopy.errors import require
 
 SYSTEM_PROMPT = """\
 I am your supervisor, and you are a super intelligent AI assistant whose job is to achieve my day-to-day tasks \
@@ -464,7 +465,6 @@ class AppWorldSettings:
     def validate(self, pool: PoolSettings) -> None:
         """The AppWorld venv, the data root, and timeouts nested inside the pool's: one line naming the fix on the
         first bad value."""
-        from canopy.config import require
 
         require(
             pool.workers >= 1,

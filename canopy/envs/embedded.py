@@ -25,6 +25,7 @@ import hashlib
 from dataclasses import dataclass
 
 from canopy.envs.base import EnvironmentFault, StepResult, Task, Verdict
+from canopy.errors import ConfigError
 
 ACTIONS = ("login", "key", "unlock", "open")
 STATUS_WORDS = ("guest", "keyless", "locked", "shut")  # the first unmet step, in chain order
@@ -166,7 +167,6 @@ class EmbeddedEnvironment:
 def environment_kwargs(env) -> dict:
     """`env.fault_rate`: the probability that an action fails in the serving layer (0 = never);
     `env.declare_done`: the testbed's rule (the agent ends the episode; the status covers the whole chain)."""
-    from canopy.config import ConfigError
 
     rate = env.get("fault_rate", 0.0)
     if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 <= rate < 1:

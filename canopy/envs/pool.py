@@ -52,6 +52,7 @@ from canopy.envs.base import (
 from canopy.envs.runtimes import SLOT_TAG, release_slot
 from canopy.envs.sandbox import SandboxLimits, claim_uid, kill_uid, private_home
 from canopy.envs.worker import read_frame, write_frame
+from canopy.errors import is_int, require
 
 OPERATIONS = ("start", "step", "verdict", "close")
 
@@ -74,7 +75,6 @@ class PoolSettings:
     def validate(self, sandbox: SandboxLimits) -> None:
         """`env.pool.*` (and the sandbox's limits, which must fit inside a worker's): one line naming the fix on the
         first bad value."""
-        from canopy.config import is_int, require
 
         require(
             is_int(self.workers) and self.workers >= 0,
@@ -361,7 +361,6 @@ class PooledEpisode:
 def check_serving(env) -> None:
     """The serving layer's keys: `env.max_quarantine_fraction`, `env.sandbox.*`, `env.pool.*` against them, then
     `env.ray.*`."""
-    from canopy.config import require
     from canopy.envs import ray_pool
 
     require(

@@ -28,6 +28,7 @@ from pathlib import Path
 
 from canopy.envs.base import AgentFailure, EnvironmentFault, SystemicFaultError, Task, last_line
 from canopy.envs.pool import EnvironmentPool, PoolSettings
+from canopy.errors import ConfigError, is_int, require
 
 MARGIN_S = 30.0  # past a call's longest path on a healthy node, the node counts as lost
 INSTALL_RAY = "pip install ray==2.52.0"
@@ -35,7 +36,6 @@ INSTALL_RAY = "pip install ray==2.52.0"
 
 def import_ray():
     """The ray package, or a one-line `ConfigError` naming the fix."""
-    from canopy.config import ConfigError
 
     try:
         import ray
@@ -48,7 +48,6 @@ def import_ray():
 
 def validate(env) -> None:
     """`env.ray.*`: one line naming the fix on the first bad value; with Ray on, the pool and the ray package."""
-    from canopy.config import is_int, require
 
     address, nodes, workers = env.ray.address, env.ray.nodes, env.ray.workers_per_node
     require(

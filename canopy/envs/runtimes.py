@@ -35,6 +35,8 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from canopy.errors import require
+
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 CGROUP_V1_CONTROLLERS = ("memory", "pids", "cpu")
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -70,7 +72,6 @@ class RuntimeSettings:
     max_output_bytes: int = 1_000_000  # per command; the head and tail halves are kept past it
 
     def validate(self) -> None:
-        from canopy.config import require
 
         prefix = "env.swebench.runtime"
         require(

@@ -32,6 +32,7 @@ from pathlib import Path
 
 from canopy.envs.base import EnvironmentFault
 from canopy.envs.sandbox_runner import EXIT_MEMORY, EXIT_PROCESSES, EXIT_SETUP
+from canopy.errors import require
 
 RUNNER = Path(__file__).with_name("sandbox_runner.py")
 FIRST_UID = 61000
@@ -51,7 +52,6 @@ class SandboxLimits:
 
     def validate(self) -> None:
         """`env.sandbox.*`: one line naming the fix on the first bad value."""
-        from canopy.config import require
 
         for key in ("cpu_seconds", "wall_seconds", "memory_mb", "max_processes", "max_file_mb", "max_output_chars"):
             require(getattr(self, key) > 0, f"env.sandbox.{key}={getattr(self, key)} must be > 0")

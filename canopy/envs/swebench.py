@@ -33,6 +33,7 @@ from canopy.envs.base import EnvironmentFault, StepResult, Task, Verdict
 from canopy.envs.runtimes import ImageMissing, RuntimeSettings, SandboxError, build_runtime
 from canopy.envs.swe_grading import grade
 from canopy.envs.swe_guard import POLICIES
+from canopy.errors import ConfigError, require
 
 MINI_SWE_AGENT_VERSION = "1.17.5"
 SUBMIT_MARKERS = ("MINI_SWE_AGENT_FINAL_OUTPUT", "COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT")  # DefaultAgent.has_finished
@@ -142,7 +143,6 @@ class SWEBenchSettings:
     tamper: str = "restore"  # restore | reject | off (canopy.envs.swe_guard)
 
     def validate(self, pool) -> None:
-        from canopy.config import require
 
         RuntimeSettings(**self.runtime).validate()
         require(
@@ -278,7 +278,6 @@ def environment_kwargs(env) -> dict:
     here: one line naming the fix otherwise)."""
     from omegaconf import OmegaConf
 
-    from canopy.config import ConfigError
     from canopy.envs.pool import PoolSettings
     from canopy.envs.runtimes import RuntimeUnavailable, check_runtime
 

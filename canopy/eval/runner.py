@@ -9,8 +9,8 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from canopy.config import ConfigError
 from canopy.envs.base import Task
+from canopy.errors import ConfigError
 from canopy.eval.metrics import by_scenario, summarize
 from canopy.modules.policy import iter_hf_weights, load_policy
 from canopy.rollout.agent_loop import run_episodes

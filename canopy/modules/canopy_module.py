@@ -7,8 +7,7 @@ import lightning as L
 import torch
 from lightning.fabric.utilities.apply_func import move_data_to_device
 
-from canopy.config import CP_NEEDS_GPU, CP_SEQ_MEAN, ConfigError
-from canopy.datamodules.rollout import RolloutBatch
+from canopy.errors import ConfigError
 from canopy.mismatch import OffPolicyError, RolloutCorrection, correction_metrics, mismatch_metrics, sequence_log_ratio
 from canopy.modules.logprobs import model_token_logprobs, padded_width, sequence_inputs
 from canopy.modules.parallel import (
@@ -25,6 +24,16 @@ from canopy.modules.parallel import (
 from canopy.modules.policy import iter_hf_weights, load_policy, unwrap
 from canopy.objective import canopy_loss
 from canopy.rollout.engine import EngineHandle
+from canopy.rollout_batch import RolloutBatch
+
+CP_NEEDS_GPU = (
+    "parallelism.cp > 1: context parallel needs GPUs (SDPA has no CPU sharding rule); set trainer.accelerator=gpu "
+    "or use parallelism.dp_shard and parallelism.tp"
+)
+CP_SEQ_MEAN = (
+    "algorithm.loss_aggregation=seq-mean with parallelism.cp > 1: per-sequence means need whole sequences on a rank; "
+    "use token-mean (the recipe) or parallelism.cp=1"
+)
 
 BENIGN_WARNINGS = (
     r"You are using the `dataloader_iter` step flavor",  # the step pulls its batch once the synced weights are in

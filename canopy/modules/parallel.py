@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Shard
 
-from canopy.config import ConfigError
+from canopy.errors import ConfigError
 from canopy.modules.policy import model_family, qwen3_config_from_hf, read_hf_config, safetensors_files
 
 

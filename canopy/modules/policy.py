@@ -24,7 +24,7 @@ from torchtitan.models.qwen3 import Qwen3Model
 from torchtitan.models.qwen3.model import Qwen3TransformerBlock
 from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter
 
-from canopy.config import ConfigError
+from canopy.errors import ConfigError
 from canopy.modules.logprob_head import LogprobHead
 
 _INIT = {"weight": partial(torch.nn.init.normal_, std=0.02), "bias": torch.nn.init.zeros_}

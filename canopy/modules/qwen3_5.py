@@ -32,7 +32,7 @@ from torchtitan.models.qwen3_5.model import GatedDeltaNet, Qwen35Model, Qwen35Tr
 from torchtitan.models.qwen3_5.rope import MRoPE
 from torchtitan.models.qwen3_5.state_dict_adapter import Qwen35StateDictAdapter
 
-from canopy.config import ConfigError
+from canopy.errors import ConfigError
 from canopy.modules.gated_delta import causal_conv1d, chunk_gated_delta_rule
 from canopy.modules.logprob_head import LogprobHead
 

@@ -12,7 +12,7 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from tqdm.auto import tqdm
 
@@ -32,6 +32,11 @@ class Budget:
     max_observation_tokens: int
     max_context_tokens: int
     per_turn_generation_cap: int | None = None
+
+    @classmethod
+    def of(cls, budget) -> "Budget":
+        """From the `budget` config group (its other keys, such as its name, are not the episode's)."""
+        return cls(**{key.name: budget[key.name] for key in fields(cls)})
 
 
 @dataclass

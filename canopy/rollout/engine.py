@@ -25,6 +25,11 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = -1  # -1: no top-k filter
 
+    @classmethod
+    def of(cls, sampling) -> "SamplingParams":
+        """From the `sampling` config group."""
+        return cls(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k)
+
 
 class EngineFault(RuntimeError):
     """A generation request the serving layer failed (server dead, request aborted or timed out) on every try.

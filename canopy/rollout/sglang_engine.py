@@ -43,6 +43,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from canopy.errors import is_int, require
 from canopy.modules.policy import write_hf_checkpoint
 from canopy.rollout.engine import EngineFault, Generation, SamplingParams
 
@@ -79,7 +80,6 @@ class SGLangSettings:
     def validate(self, accelerator: str, trainer_devices: int = 1) -> None:
         """Launch (python) or attach (urls), ports, sizes, GPUs apart from the trainer's, weight sync reachable from
         the servers, and request limits: one line naming the fix on the first bad value."""
-        from canopy.config import is_int, require
 
         urls = list(self.urls or [])
         require(

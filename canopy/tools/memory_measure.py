@@ -106,10 +106,10 @@ def measure_training_step(
     working set measured alone; `peak` for a whole steady-state step (the second: AdamW's moments exist); and
     `step seconds`, the median of `repeats` steady-state steps. `autocast` runs the steps' compute in that dtype
     over float32 weights (the plan's single process computes in float32)."""
-    from canopy.datamodules.rollout import RolloutBatch
     from canopy.modules.canopy_module import CanopyModule
     from canopy.modules.logprobs import model_token_logprobs, sequence_inputs
     from canopy.modules.parallel import apply_activation_checkpointing
+    from canopy.rollout_batch import RolloutBatch
 
     torch.manual_seed(seed)
     module = CanopyModule(

@@ -19,7 +19,7 @@ from pathlib import Path
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, OmegaConf
 
-from canopy.config import ConfigError
+from canopy.errors import ConfigError
 from canopy.memory import GIB, GPUS, Plan, TrainerLayout, model_shape, read_model_config, sglang_plan, trainer_plan
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
