@@ -1,4 +1,4 @@
-"""Engine-trainer mismatch (README, "What strictly on-policy guarantees"): how far the engine's sampling
+"""Engine-trainer mismatch (docs/on_policy.md): how far the engine's sampling
 distribution mu is from the trainer's pi_theta on the sampled tokens, the bounds a run holds it to, and the
 opt-in corrections of the policy-gradient term for it (`algorithm.rollout_correction`).
 

@@ -177,11 +177,12 @@ def test_every_flag_and_variable_canopy_launches_with_is_the_release():
     assert not failures, f"sglang {api.version}:\n" + "\n".join(failures)
 
 
-def test_the_readme_launch_commands_name_real_flags():
-    """The launch commands the README's code blocks spell out for servers started by hand (values are shell: flags
-    only)."""
+def test_the_documented_launch_commands_name_real_flags():
+    """The launch commands the README's and docs/' code blocks spell out for servers started by hand (values are
+    shell: flags only)."""
     api = release()
-    blocks = (ROOT / "README.md").read_text().split("```")[1::2]
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    blocks = [block for page in pages for block in page.read_text().split("```")[1::2]]
     lines = [line for block in blocks for line in block.replace("\\\n", " ").splitlines()]
     commands = [line for line in lines if "sglang.launch_server" in line]
     assert commands

@@ -503,7 +503,8 @@ def test_swebench_toy_trains_and_evaluates_end_to_end(generated, tmp_path):
 
 def container_base(executable: str) -> str | None:
     """A base image for the generated tasks (bash, git, python3, pytest) in `executable`'s store, when it answers:
-    README, "SWE-bench" (debootstrap + import). CI machines have neither daemon: there these tests are skipped."""
+    docs/environments.md, "SWE-bench" (debootstrap + import). CI machines have neither daemon: there these tests are
+    skipped."""
     base = os.environ.get("CANOPY_SWE_CONTAINER_BASE", "canopy/swe-base:bookworm")
     if shutil.which(executable) is None:
         return None
@@ -530,7 +531,7 @@ def containers(executable: str) -> list[str]:
 def test_container_runtimes_score_and_clean_up_like_bwrap(generated, tmp_path, executable):
     base = container_base(executable)
     if base is None:
-        pytest.skip(f"needs {executable} answering with the base image (README, SWE-bench)")
+        pytest.skip(f"needs {executable} answering with the base image (docs/environments.md, SWE-bench)")
     instances = generated["instances"][:2]
     swe_data.build_container_images(generated["out"], instances, base, executable)
     a, b = instances

@@ -1,4 +1,4 @@
-"""On-policy audit (Section 3.3; README, "What strictly on-policy guarantees"): every update is checked before it
+"""On-policy audit (Section 3.3; docs/on_policy.md): every update is checked before it
 is applied, on the engine-trainer gap `mismatch/logprob_gap`, the mean |log pi_theta - log mu| per action token of
 the batch it is about to learn from (`canopy.mismatch`). The trainer's own ratio (`actor/pg_clipfrac`,
 `actor/ppo_kl`) is 1 by construction with one update per batch and is not what is audited."""
@@ -33,7 +33,7 @@ class OnPolicyAudit(L.Callback):
         if self.dtype not in self.table:
             raise ConfigError(
                 f"engine.gap_bounds has no bounds for an engine computing in {self.dtype}: add engine.gap_bounds."
-                f"{self.dtype}={{parity: ..., warn: ..., stop: ...}} (README, 'What strictly on-policy guarantees')"
+                f"{self.dtype}={{parity: ..., warn: ..., stop: ...}} (docs/on_policy.md)"
             )
         self.bounds = self.table[self.dtype]
 

@@ -479,7 +479,7 @@ class AppWorldSettings:
         require(
             self.root is not None and (Path(self.root) / "data" / "tasks").is_dir(),
             f"env.appworld.root '{self.root}' has no data/tasks: download the data (`appworld download data --root "
-            "DIR`, README) and pass env.appworld.root=DIR (or export APPWORLD_ROOT)",
+            "DIR`, docs/environments.md) and pass env.appworld.root=DIR (or export APPWORLD_ROOT)",
         )
         for key in ("cell_timeout_s", "request_timeout_s", "start_timeout_s", "max_observation_chars"):
             require(getattr(self, key) > 0, f"env.appworld.{key}={getattr(self, key)} must be > 0")

@@ -443,7 +443,7 @@ class ContainerRuntime:
         if probe.returncode != 0:
             raise RuntimeUnavailable(
                 f"{executable} does not answer ({(probe.stderr.strip().splitlines() or ['?'])[-1]}): start its daemon "
-                "without a network bridge (README, SWE-bench), or use env.swebench.runtime.kind=bwrap"
+                "without a network bridge (docs/environments.md, SWE-bench), or use env.swebench.runtime.kind=bwrap"
             )
 
     def has_image(self, image: str) -> bool:

@@ -100,7 +100,8 @@ def load_instances(path: str | Path) -> list[dict]:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(
-            f"SWE-bench instances {path} do not exist: prepare them with python -m canopy.tools.swe_data (README)"
+            f"SWE-bench instances {path} do not exist: prepare them with python -m canopy.tools.swe_data "
+            "(docs/environments.md)"
         )
     instances = []
     for number, line in enumerate(path.read_text().splitlines(), start=1):
