@@ -82,7 +82,7 @@ PYTEST_WORKERS ?= $(shell nproc)
 test: lint $(APPWORLD_STAMP) $(SGLANG_API_STAMP) system
 	$(PY) -m pytest -q -ra -n $(PYTEST_WORKERS) --dist loadfile --durations=25 $(PYTEST_ARGS)
 
-# The lent GPU machine (README, "Verified where"): its bundle of wheels, and its setup rehearsed here on torch 2.11
+# The lent GPU machine (docs/verification.md): its bundle of wheels, and its setup rehearsed here on torch 2.11
 device-bundle: $(STAMP)
 	bash scripts/device_bundle.sh
 
