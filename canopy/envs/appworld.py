@@ -109,6 +109,7 @@ My name is: {first_name} {last_name}. My personal email is {email} and phone num
 Task: {instruction}"""
 SPLITS = ("train", "dev", "test_normal", "test_challenge")
 SOCKET_PATH_MAX = 107  # bytes: Linux's sun_path holds 108 with the terminating NUL
+SERVER_HOME_PREFIX, SERVER_SOCKET = "appworld-", "server.sock"  # <scratch>/appworld-XXXXXXXX/server.sock
 
 
 def appworld_scratch() -> Path:
@@ -116,10 +117,10 @@ def appworld_scratch() -> Path:
     a folder of their own under the temporary directory (never the whole of it: its homes are hidden from servers).
     A server's socket lies two levels below it, so its path must leave room for them."""
     scratch = Path(os.environ.get("CANOPY_SCRATCH_ROOT") or Path(tempfile.gettempdir()) / "canopy-appworld")
-    socket = scratch / "appworld-xxxxxxxx" / "server.sock"  # as `AppWorldServer` names it
-    if len(os.fsencode(socket)) > SOCKET_PATH_MAX:
+    socket_bytes = len(os.fsencode(scratch / f"{SERVER_HOME_PREFIX}xxxxxxxx" / SERVER_SOCKET))  # mkdtemp adds 8
+    if socket_bytes > SOCKET_PATH_MAX:
         raise ValueError(
-            f"AppWorld's server sockets would be {len(os.fsencode(socket))} bytes long under {scratch}, over the "
+            f"AppWorld's server sockets would be {socket_bytes} bytes long under {scratch}, over the "
             f"{SOCKET_PATH_MAX} a unix socket path may have: give the environment pool a shorter scratch root"
         )
     scratch.mkdir(parents=True, exist_ok=True)
@@ -131,8 +132,8 @@ class AppWorldServer:
 
     def __init__(self, python: str, root: str, start_timeout_s: float, request_timeout_s: float):
         scratch = appworld_scratch()
-        self.home = Path(tempfile.mkdtemp(prefix="appworld-", dir=scratch))
-        self.socket, self.log = self.home / "server.sock", self.home / "server.log"
+        self.home = Path(tempfile.mkdtemp(prefix=SERVER_HOME_PREFIX, dir=scratch))
+        self.socket, self.log = self.home / SERVER_SOCKET, self.home / "server.log"
         self.outputs = self.home / "outputs"  # its worlds' outputs (AppWorld's experiments/outputs), graded from here
         self.request_timeout_s = request_timeout_s
         self.world: tuple[str, str] | None = None  # (task id, experiment name) of the live world

@@ -378,7 +378,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.docs:
         with tempfile.TemporaryDirectory(prefix="canopy-red-team-") as folder:
-            text = TABLE.sub(lambda m: m.group(1) + table(red_team(Path(folder))) + m.group(2), DOCS.read_text())
+            results = table(red_team(Path(folder), args.workers))
+            text = TABLE.sub(lambda m: m.group(1) + results + m.group(2), DOCS.read_text())
         DOCS.write_text(text)
         return
     if not args.instances or not args.image_root:
