@@ -1,11 +1,15 @@
 """The environment serving layer: isolated workers, health checks, repair, and fault attribution (Appendix G)."""
 
+import json
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
 
+from canopy.envs import sandbox
 from canopy.envs.base import AgentFailure, EnvironmentFault, Verdict
 from canopy.envs.embedded import EmbeddedEnvironment
 from canopy.envs.pool import EnvironmentPool, PoolSettings
@@ -94,6 +98,49 @@ def test_requests_for_another_episode_are_corruption(pool):
     assert fault.value.reason == "cross_episode_corruption"
     first.close()
     second.close()
+
+
+OWNER_KILLED_MID_SANDBOX = """
+import json, os, threading, time
+import canopy.envs.sandbox
+canopy.envs.sandbox.FIRST_UID = {first_uid}
+from canopy.envs.pool import EnvironmentPool, PoolSettings
+pool = EnvironmentPool("canopy.envs.python_tasks:PythonTaskEnvironment",
+    {{"sandbox": {{"cpu_seconds": 5, "wall_seconds": 6.0, "memory_mb": 256, "max_processes": 8}}}},
+    PoolSettings(workers=1, memory_mb=1024, request_timeout_s=20.0))
+episode = pool.start(pool.tasks("train")[0], seed=0)
+print(json.dumps([episode.worker.pid, episode.worker.uid]), flush=True)
+threading.Thread(target=episode.step, args=("```python\\nimport time; time.sleep(3)\\n```",)).start()
+time.sleep(1.0)
+os.kill(os.getpid(), 9)
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="sandbox uids are claimed only when running as root")
+def test_a_worker_orphaned_mid_sandbox_keeps_its_uid_until_it_exits(monkeypatch):
+    """A pool killed with -9 leaves its worker running its sandbox, which ends by killing every process of the
+    sandbox uid. Until that worker exits its uid must stay claimed, or the next claimant's processes die with it
+    (a Ray node's sandbox Python probe once did, in CI)."""
+    first_uid = 70000 + os.getpid() % 10000 * 10  # a range of our own: the claim order below is then certain
+    monkeypatch.setattr(sandbox, "FIRST_UID", first_uid)
+    owner = subprocess.run(
+        [sys.executable, "-c", OWNER_KILLED_MID_SANDBOX.format(first_uid=first_uid)], capture_output=True, text=True
+    )
+    assert owner.returncode == -signal.SIGKILL, owner.stderr
+    orphan, orphan_uid = json.loads(owner.stdout)
+    assert orphan_uid == first_uid and os.path.exists(f"/proc/{orphan}")  # still in its sandbox
+
+    uid, lock = sandbox.claim_uid()
+    try:
+        assert uid != orphan_uid
+        bystander = subprocess.Popen(["sleep", "5"], user=uid, group=uid, extra_groups=[])
+        deadline = time.monotonic() + 20
+        while os.path.exists(f"/proc/{orphan}") and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not os.path.exists(f"/proc/{orphan}")  # it finished its sandbox, cleaned up its uid, and left
+        assert bystander.wait() == 0
+    finally:
+        os.close(lock)
 
 
 def test_broken_environment_factory_fails_loudly():

@@ -3,12 +3,14 @@
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import pytest
 
+from canopy.envs import sandbox
 from canopy.envs.base import EnvironmentFault
 from canopy.envs.sandbox import SandboxLimits, prepare_scratch, run_sandboxed, sandbox_uid
 
@@ -125,6 +127,41 @@ def test_scratch_dir_the_sandbox_user_cannot_reach_is_a_clear_setup_fault(tmp_pa
     closed.mkdir(mode=0o700)
     with pytest.raises(EnvironmentFault, match="closed to the sandbox user"):
         prepare_scratch(closed / "scratch")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="sandbox uids are claimed only when running as root")
+def test_claiming_a_uid_kills_what_its_dead_holder_left_running(monkeypatch):
+    """Code that escaped a killed run's sandbox still runs as its uid: it would eat the next holder's process
+    limit and could signal the next holder's processes."""
+    monkeypatch.setattr(sandbox, "FIRST_UID", 70003 + os.getpid() % 10000 * 10)  # a uid range of our own
+    uid, lock = sandbox.claim_uid()
+    spawn = ["sh", "-c", "sleep 60 >/dev/null 2>&1 & echo $!"]  # an orphan of init, like a dead run's leftover
+    leftover = int(subprocess.run(spawn, user=uid, group=uid, extra_groups=[], capture_output=True).stdout)
+    os.close(lock)  # its holder is gone; the leftover is not
+    assert os.path.exists(f"/proc/{leftover}")
+    again, lock = sandbox.claim_uid()
+    try:
+        assert again == uid
+        assert not os.path.exists(f"/proc/{leftover}")
+    finally:
+        os.close(lock)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="sandbox uids are claimed only when running as root")
+def test_a_uid_claimed_here_is_claimed_for_a_process_with_another_tmpdir(monkeypatch, tmp_path):
+    """Ray's nodes run with a TMPDIR of their own; claims made there once missed this process's, and each side
+    killed the other's sandboxes (a Ray test's episodes crashed under load)."""
+    first_uid = 70006 + os.getpid() % 10000 * 10
+    monkeypatch.setattr(sandbox, "FIRST_UID", first_uid)
+    uid, lock = sandbox.claim_uid()
+    claim = f"import canopy.envs.sandbox as s; s.FIRST_UID = {first_uid}; print(s.claim_uid()[0])"
+    try:
+        other = subprocess.run(
+            [sys.executable, "-c", claim], env={**os.environ, "TMPDIR": str(tmp_path)}, capture_output=True, text=True
+        )
+        assert (uid, int(other.stdout)) == (first_uid, first_uid + 1), other.stderr
+    finally:
+        os.close(lock)
 
 
 def test_output_flood_is_cut(scratch):

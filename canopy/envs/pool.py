@@ -110,10 +110,14 @@ class Worker:
         settings: PoolSettings,
         slot: int,
         scratch_root: Path,
-        uid: int | None,
+        claim: tuple[int, int] | None,
         log_dir: Path,
     ):
-        self.slot, self.settings, self.episodes_served, self.uid, self.log_dir = slot, settings, 0, uid, log_dir
+        """`claim`: the sandbox uid and its lock fd (`claim_uid`), or None when not root. The worker inherits the
+        lock, so the uid stays claimed while the worker lives: a worker orphaned by its pool's kill -9 still ends
+        its sandbox by killing every process of its uid, which must not be another run's by then."""
+        self.slot, self.settings, self.episodes_served, self.log_dir = slot, settings, 0, log_dir
+        self.uid = claim[0] if claim else None
         self.scratch = scratch = scratch_root / f"w{slot}"
         self.tag = f"{scratch_root.name}-w{slot}"  # names the cgroups and containers of this slot's sandboxes
         self.log = scratch_root / "logs" / f"worker{slot}.log"
@@ -134,6 +138,7 @@ class Worker:
                 stderr=log,
                 env=env,
                 start_new_session=True,
+                pass_fds=(claim[1],) if claim else (),
             )
         self.pid = self.process.pid
         self.broken = False
@@ -245,12 +250,9 @@ class EnvironmentPool:
                 self._idle.put(slot)
             self._started = True
 
-    def _uid(self, slot: int) -> int | None:
-        return self._uids[slot][0] if slot in self._uids else None
-
     def _spawn(self, slot: int) -> Worker:
         worker = Worker(
-            self.factory, self.kwargs, self.settings, slot, self.scratch_root, self._uid(slot), self.log_dir
+            self.factory, self.kwargs, self.settings, slot, self.scratch_root, self._uids.get(slot), self.log_dir
         )
         with self._lock:
             self._workers[slot] = worker

@@ -37,7 +37,9 @@ from canopy.errors import require
 RUNNER = Path(__file__).with_name("sandbox_runner.py")
 FIRST_UID = 61000
 PR_SET_CHILD_SUBREAPER = 36
-UID_LOCKS = Path(tempfile.gettempdir()) / "canopy-sandbox-uids"
+# Machine-wide, as the uids are: not under $TMPDIR, which differs between the processes of one machine (Ray gives
+# its nodes their own), so that two claimants would each see a free uid and kill each other's sandboxes.
+UID_LOCKS = Path("/tmp/canopy-sandbox-uids")
 _ONE_AT_A_TIME = threading.Lock()  # see `run_sandboxed`
 
 
@@ -83,15 +85,24 @@ def _own_uid() -> int:
 
 def claim_uid() -> tuple[int, int]:
     """An unprivileged uid no other live process of any Canopy run holds, and the lock fd that holds it
-    (released by `os.close(fd)` or at exit). Two runs on one machine therefore never kill each other's code."""
+    (released once every process holding a copy of `fd` has closed it or exited). Two runs on one machine therefore
+    never kill each other's code. Whatever a dead holder's sandboxes left running as the uid is killed first: it
+    would count against the new holder's process limit, and could signal the new holder's processes (a uid whose
+    leftovers cannot be cleared is skipped)."""
     UID_LOCKS.mkdir(mode=0o700, exist_ok=True)
     for uid in range(FIRST_UID, FIRST_UID + 10_000):
         fd = os.open(UID_LOCKS / f"{uid}.lock", os.O_CREAT | os.O_RDWR, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return uid, fd
         except BlockingIOError:
             os.close(fd)
+            continue
+        try:
+            kill_uid(uid)
+        except EnvironmentFault:  # zombies nobody reaps: take another uid
+            os.close(fd)
+            continue
+        return uid, fd
     raise EnvironmentFault("sandbox_setup_failed", f"every sandbox uid from {FIRST_UID} is claimed: clear {UID_LOCKS}")
 
 
@@ -100,6 +111,7 @@ def sandbox_python(uid: int | None) -> str:
     """An interpreter the sandbox user can run: ours if that user can read it, else the system's python3."""
     if uid is None:
         return sys.executable
+    failures = []
     for python in (sys.executable, "/usr/bin/python3"):
         try:
             probe = subprocess.run(
@@ -110,12 +122,15 @@ def sandbox_python(uid: int | None) -> str:
                 capture_output=True,
                 timeout=60,
             )
-        except (OSError, subprocess.TimeoutExpired):
+        except (OSError, subprocess.TimeoutExpired) as error:
+            failures.append(f"{python}: {error}")
             continue
         if probe.returncode == 0:
             return python
+        failures.append(f"{python}: exit {probe.returncode} {probe.stderr.decode(errors='replace').strip()[-200:]}")
     raise EnvironmentFault(
-        "sandbox_setup_failed", f"no Python is readable by sandbox uid {uid}: install python3 outside /root"
+        "sandbox_setup_failed",
+        f"no Python is readable by sandbox uid {uid}: install python3 outside /root ({'; '.join(failures)})",
     )
 
 
