@@ -49,7 +49,6 @@ from pathlib import Path
 
 import lightning as L
 import torch
-from hydra import compose, initialize_config_dir
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -58,6 +57,7 @@ sys.path.insert(0, str(ROOT))
 from canopy import trajectories  # noqa: E402
 from canopy.build import build_datamodule, ensure_model  # noqa: E402
 from canopy.callbacks import RolloutViewer  # noqa: E402
+from canopy.config import compose_config  # noqa: E402
 from canopy.modules.logprobs import model_token_logprobs, sequence_inputs  # noqa: E402
 from canopy.modules.policy import load_policy  # noqa: E402
 from canopy.tools.viewer import build_viewer  # noqa: E402
@@ -138,8 +138,7 @@ def busy_logging(writer: trajectories.Writer, episodes: list, go, working, writt
 
 
 def in_process(args) -> None:
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        cfg = compose("train", overrides=args.overrides)
+    cfg = compose_config(args.overrides)
     model_path = ensure_model(cfg)
     datamodule = build_datamodule(cfg, model_path)
     policy, _ = load_policy(model_path)

@@ -37,8 +37,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from hydra import compose, initialize_config_dir  # noqa: E402
 
+from canopy.config import compose_config  # noqa: E402
 from canopy.tools.plots import plot_check_bars, plot_check_curves  # noqa: E402
 from canopy.tools.stats import bootstrap_mean, describe, paired_difference  # noqa: E402
 from canopy.tools.tb_scalars import read_scalars  # noqa: E402
@@ -72,11 +72,6 @@ def checks(extra: list[str]) -> dict[str, tuple[str, list[str]]]:
         ),
         "auto_group": ("beyond: group_size=auto", ["ablation=auto_group"]),
     }
-
-
-def compose_config(overrides: list[str]):
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        return compose("train", overrides=overrides)
 
 
 def run_one(run_dir: Path, overrides: list[str], args) -> dict:

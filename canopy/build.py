@@ -14,7 +14,6 @@ from canopy.envs.worker import build_environment
 from canopy.errors import ConfigError
 from canopy.mismatch import RolloutCorrection
 from canopy.modules.canopy_module import CanopyModule
-from canopy.modules.parallel import ParallelSettings
 from canopy.rollout.agent_loop import Budget, ChatTokenizer
 from canopy.rollout.engine import EngineHandle, LocalEngine, SamplingParams
 from canopy.rollout.sglang_engine import SGLangEngine, SGLangSettings, serving_dtype
@@ -43,7 +42,7 @@ def build_env(cfg: DictConfig, log_dir: str | Path | None = None):
     run's `env_logs/`); behind such a pool on each node of a Ray cluster when `env.ray.address` is set."""
     kwargs = environment_kwargs(cfg.env)
     factory = environment_factory(cfg.env.name)
-    settings = PoolSettings(**OmegaConf.to_container(cfg.env.pool))
+    settings: PoolSettings = OmegaConf.to_object(cfg.env.pool)
     if cfg.env.ray.address is not None:
         from canopy.envs.ray_pool import RayEnvironment  # imports ray only when it joins the cluster
 
@@ -169,7 +168,7 @@ def build_module(cfg: DictConfig, model_path: str, engine: EngineHandle | None =
         temperature=cfg.sampling.temperature,
         micro_batch_tokens=cfg.trainer.micro_batch_tokens,
         logprob_chunk_tokens=cfg.trainer.logprob_chunk_tokens,
-        parallel=ParallelSettings(**cfg.parallelism),
+        parallel=OmegaConf.to_object(cfg.parallelism),
         engine=engine,
         seed=cfg.seed,
     )

@@ -1,13 +1,43 @@
-"""Config validation: every bad value fails at start with one line that names the fix."""
+"""Config schemas and validation: a typo'd or mistyped key fails at composition, every bad value at start, each with
+the key named."""
 
 import json
 from pathlib import Path
 
+from hydra import compose, initialize_config_dir
+from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
+from canopy.envs.appworld import AppWorldSettings
+from canopy.envs.pool import PoolSettings
+from canopy.envs.ray_pool import RaySettings
+from canopy.envs.sandbox import SandboxLimits
 from canopy.errors import ConfigError, is_int, require
+from canopy.mismatch import RolloutCorrection
+from canopy.modules.parallel import ParallelSettings
 
 ENGINES = ("local", "sglang")
+SCHEMAS = (PoolSettings, SandboxLimits, RaySettings, AppWorldSettings, ParallelSettings, RolloutCorrection)
+"""Components whose settings dataclass is the schema of their config node and holds its only defaults. Each is
+composed in as `schema@<node>: <Class>` (conf/train.yaml; AppWorld's in conf/env/appworld.yaml), the YAML setting
+only what differs (`python train.py --cfg job` prints every key)."""
+
+
+def register_schemas() -> None:
+    for schema in SCHEMAS:
+        node = OmegaConf.structured(schema)
+        OmegaConf.set_readonly(node, False)  # a frozen settings object; its config node takes the YAML's values
+        ConfigStore.instance().store(group="schema", name=schema.__name__, node=node)
+
+
+register_schemas()  # on import: train.py, evaluate.py and the tools compose after importing this module
+CONF = Path(__file__).resolve().parents[1] / "conf"
+
+
+def compose_config(overrides=(), name: str = "train") -> DictConfig:
+    """The config `python <name>.py OVERRIDES` runs with, composed outside Hydra's entry point (tools, tests)."""
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose(name, overrides=list(overrides))
 
 
 def mean_group_size(cfg: DictConfig) -> int:

@@ -32,12 +32,14 @@ class OffPolicyError(RuntimeError):
 
 @dataclass(frozen=True)
 class RolloutCorrection:
-    """`algorithm.rollout_correction`: which weight multiplies S_t (module docstring), and its bounds."""
+    """`algorithm.rollout_correction`: which weight multiplies S_t (module docstring), and its bounds; the schema and
+    the only defaults of those keys. Opt-in: off in the recipe."""
 
-    mode: str = "none"
-    tis_cap: float = 2.0  # token_tis: C
-    token_bounds: tuple[float, float] = (0.5, 5.0)  # token_mask: IcePop's [alpha, beta] on rho
-    sequence_bounds: tuple[float, float] = (0.99, 1.01)  # sequence_mask: on the geometric mean of rho
+    mode: str = "none"  # none | token_tis | token_mask (IcePop) | sequence_mask (geometric)
+    tis_cap: float = 2.0  # token_tis: w = min(rho, C)
+    token_bounds: tuple[float, float] = (0.5, 5.0)  # token_mask: IcePop's [alpha, beta]: w = rho inside, 0 outside
+    sequence_bounds: tuple[float, float] = (0.99, 1.01)  # sequence_mask: keep a sequence iff its geometric-mean rho
+    # is inside
 
     def validate(self) -> None:
         key = "algorithm.rollout_correction"

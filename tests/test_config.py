@@ -3,21 +3,16 @@ import sys
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
 
 from canopy.build import build_env
-from canopy.config import validate
+from canopy.config import compose_config, validate
 from canopy.errors import ConfigError
-
-CONF = str(Path(__file__).resolve().parents[1] / "conf")
-
 
 CORRECTION_OFF = {"mode": "none", "tis_cap": 2.0, "token_bounds": [0.5, 5.0], "sequence_bounds": [0.99, 1.01]}
 
 
 def config(*overrides):
-    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
-        return compose("train", overrides=list(overrides))
+    return compose_config(overrides)
 
 
 def test_default_is_the_embedded_experiment_and_valid():

@@ -11,10 +11,9 @@ import time
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
 
 from canopy.build import build_env
-from canopy.config import validate
+from canopy.config import compose_config, validate
 from canopy.envs import ray_pool
 from canopy.envs.base import AgentFailure, EnvironmentFault, SystemicFaultError, Task
 from canopy.envs.pool import EnvironmentPool, PoolSettings
@@ -104,8 +103,7 @@ def kill(actor) -> None:
 
 
 def config(*overrides):
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        return compose("train", overrides=list(overrides))
+    return compose_config(overrides)
 
 
 def submit_all(env, tasks):
@@ -338,10 +336,9 @@ def test_ray_address_builds_a_ray_environment_that_joins_on_first_use():
 def test_one_machine_never_imports_ray():
     script = (
         "import sys\n"
-        "from hydra import compose, initialize_config_dir\n"
+        "from canopy.config import compose_config\n"
         "from canopy.envs.pool import check_serving\n"
-        f"with initialize_config_dir(config_dir={str(ROOT / 'conf')!r}, version_base='1.3'):\n"
-        "    check_serving(compose('train', overrides=['env.pool.workers=2']).env)\n"
+        "check_serving(compose_config(['env.pool.workers=2']).env)\n"
         "assert 'ray' not in sys.modules\n"
     )
     subprocess.run([sys.executable, "-c", script], cwd=ROOT, check=True, timeout=120)

@@ -11,14 +11,13 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
 from transformers import Qwen3ForCausalLM
 
 from canopy.build import build_engine
 from canopy.callbacks import BudgetTransferEval
-from canopy.config import validate
+from canopy.config import compose_config, validate
 from canopy.envs.base import Task
 from canopy.envs.embedded import EmbeddedEnvironment
 from canopy.errors import ConfigError
@@ -313,8 +312,7 @@ def test_a_server_that_dies_at_startup_reports_its_log(tiny_path, tmp_path):
 
 
 def config(*overrides):
-    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
-        return compose("train", overrides=list(overrides))
+    return compose_config(overrides)
 
 
 def test_engine_config_validation_and_build(tiny_path, tokenizer, tmp_path, fake, monkeypatch):

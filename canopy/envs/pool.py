@@ -59,13 +59,17 @@ OPERATIONS = ("start", "step", "verdict", "close")
 
 @dataclass(frozen=True)
 class PoolSettings:
-    workers: int = 4
-    memory_mb: int = 2048  # address-space cap of each worker (its sandboxes have their own, smaller one)
-    request_timeout_s: float = 60.0  # must exceed the sandbox's wall-time limit
+    """`env.pool.*`, the serving layer (Appendix G): the schema and the only defaults of those keys."""
+
+    workers: int = 0  # 0 = in-process environment (the embedded default); N = N worker processes, one episode each
+    memory_mb: int = 4096  # address-space cap of each worker (its sandboxes have their own, smaller one)
+    request_timeout_s: float = 120.0  # a worker silent this long is unresponsive: its episode is quarantined; must
+    # exceed the sandbox's wall-time limit
     health_timeout_s: float = 10.0
-    start_timeout_s: float = 120.0
-    max_episodes_per_worker: int = 100
-    operation_timeouts_s: dict = field(default_factory=dict)  # start | step | verdict | close -> s, else request's
+    start_timeout_s: float = 300.0
+    max_episodes_per_worker: int = 200  # recycle workers to bound leaks
+    operation_timeouts_s: dict[str, float] = field(default_factory=dict)  # start | step | verdict | close -> s,
+    # else request_timeout_s (a SWE-bench step takes seconds, its grading minutes)
 
     def timeout(self, op: str) -> float:
         """How long a request `op` may take before its worker is unresponsive (a SWE-bench step takes seconds,

@@ -34,6 +34,15 @@ MARGIN_S = 30.0  # past a call's longest path on a healthy node, the node counts
 INSTALL_RAY = "pip install ray==2.52.0"
 
 
+@dataclass(frozen=True)
+class RaySettings:
+    """`env.ray.*`: the schema and the only defaults of those keys (docs/scale.md)."""
+
+    address: str | None = None  # null = no Ray (one machine); auto = the running cluster (`ray start`); or host:port
+    nodes: int | None = None  # null = every alive node with CPUs; N = the first N of them
+    workers_per_node: int | None = None  # null = env.pool.workers (which must be >= 1 with Ray)
+
+
 def import_ray():
     """The ray package, or a one-line `ConfigError` naming the fix."""
 

@@ -45,12 +45,15 @@ _ONE_AT_A_TIME = threading.Lock()  # see `run_sandboxed`
 
 @dataclass(frozen=True)
 class SandboxLimits:
-    cpu_seconds: int = 5
-    wall_seconds: float = 10.0
-    memory_mb: int = 512
-    max_processes: int = 16
-    max_file_mb: int = 16
-    max_output_chars: int = 4000
+    """`env.sandbox.*`, the limits on the policy's code (code-executing environments): the schema and the only
+    defaults of those keys."""
+
+    cpu_seconds: int = 30
+    wall_seconds: float = 60.0
+    memory_mb: int = 2048
+    max_processes: int = 32
+    max_file_mb: int = 64
+    max_output_chars: int = 8000
 
     def validate(self) -> None:
         """`env.sandbox.*`: one line naming the fix on the first bad value."""

@@ -28,12 +28,14 @@ from canopy.modules.policy import model_family, qwen3_config_from_hf, read_hf_co
 
 @dataclass(frozen=True)
 class ParallelSettings:
-    """`parallelism.*` keys: degrees of each dimension and the FSDP numerics."""
+    """`parallelism.*`: degrees of each dimension and the FSDP numerics, the schema and the only defaults of those
+    keys. Processes = dp_replicate x dp_shard x tp x cp = trainer.devices x trainer.num_nodes."""
 
-    dp_shard: int = 1
-    tp: int = 1
-    dp_replicate: int = 1  # HSDP: replicas of the dp_shard-way sharded model (typically one per node)
-    cp: int = 1
+    dp_shard: int = 1  # FSDP2 shards
+    tp: int = 1  # tensor parallel, with sequence parallel
+    dp_replicate: int = 1  # HSDP: replicas of the dp_shard-way sharded model (typically one per node), gradients
+    # summed over all
+    cp: int = 1  # context parallel (sequence split, head-tail balanced): GPUs only, token-mean only
     sequence_parallel: bool = True
     mixed_precision: str = "float32"  # FSDP compute dtype: float32 | bfloat16 (reductions stay float32)
     activation_checkpointing: str = "none"  # none | full | selective (TorchTitan's per-block policies)

@@ -14,20 +14,12 @@ import argparse
 import json
 import math
 import sys
-from pathlib import Path
 
-from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, OmegaConf
 
+from canopy.config import compose_config
 from canopy.errors import ConfigError
 from canopy.memory import GIB, GPUS, Plan, TrainerLayout, model_shape, read_model_config, sglang_plan, trainer_plan
-
-CONF = Path(__file__).resolve().parents[2] / "conf"
-
-
-def compose_config(overrides: list[str]) -> DictConfig:
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        return compose(config_name="train", overrides=overrides)
 
 
 def plans(cfg: DictConfig) -> tuple[Plan, dict[str, Plan | None], str]:

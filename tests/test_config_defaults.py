@@ -1,0 +1,154 @@
+"""Defaults written once: a component's settings dataclass is the schema and the only default of its config node,
+and every other default conf/train.yaml shows is the one the code would use without it (issue 31)."""
+
+import dataclasses
+import inspect
+from pathlib import Path
+
+import pytest
+from omegaconf import DictConfig, OmegaConf
+
+from canopy.build import build_env, build_module
+from canopy.config import SCHEMAS, compose_config
+from canopy.datamodules.rollout import RolloutDataModule
+from canopy.envs.appworld import environment_kwargs as appworld_kwargs
+from canopy.errors import ConfigError
+from canopy.modules.canopy_module import CanopyModule
+from canopy.rollout.engine import LocalEngine
+from canopy.rollout.sglang_engine import SGLangSettings
+from canopy.trajectories import Sampling
+
+CONF = Path(__file__).resolve().parents[1] / "conf"
+TRAIN_YAML = OmegaConf.merge(
+    OmegaConf.load(CONF / "train.yaml"), {"local_engine": OmegaConf.load(CONF / "engine" / "local.yaml")}
+)
+# train.yaml's sections whose keys a constructor also takes, by the same name, with a default of its own
+CONSUMERS = {
+    "algorithm": (CanopyModule, RolloutDataModule),
+    "optim": (CanopyModule,),
+    "trainer": (CanopyModule, RolloutDataModule),
+    "data": (RolloutDataModule,),
+    "engine.sglang": (SGLangSettings,),
+    "trajectories": (Sampling,),
+    "local_engine": (LocalEngine,),  # conf/engine/local.yaml
+}
+
+
+def config(*overrides):
+    return compose_config(overrides)
+
+
+def leaves(node: DictConfig, prefix: str = ""):
+    for key in node:
+        value = node._get_node(key)
+        path = f"{prefix}{key}"
+        if isinstance(value, DictConfig):
+            yield from leaves(value, f"{path}.")
+        else:
+            yield path, OmegaConf.to_container(value) if OmegaConf.is_list(value) else value._value()
+
+
+def code_default(component, name):
+    """`component`'s own default for `name`, or None when it takes no such argument or requires it."""
+    if dataclasses.is_dataclass(component):
+        field = next((f for f in dataclasses.fields(component) if f.name == name), None)
+        if field is None:
+            return None
+        return field.default_factory() if field.default is dataclasses.MISSING else field.default
+    parameter = inspect.signature(component).parameters.get(name)
+    return None if parameter is None or parameter.default is inspect.Parameter.empty else parameter.default
+
+
+def test_every_default_train_yaml_shows_is_the_one_the_code_uses():
+    compared, disagree = 0, []
+    for section, components in CONSUMERS.items():
+        for key, shown in leaves(OmegaConf.select(TRAIN_YAML, section)):
+            for component in components:
+                default = code_default(component, key)
+                if default is None or (isinstance(shown, str) and shown.startswith("${")):
+                    continue
+                compared += 1
+                if (list(default) if isinstance(default, tuple) else default) != shown:
+                    disagree.append(f"{section}.{key}: train.yaml {shown!r}, {component.__name__} {default!r}")
+    assert disagree == [] and compared >= 25
+
+
+def schema_nodes(node: DictConfig, prefix: str = ""):
+    """(key, dataclass) of each schema-backed node in a composed config."""
+    for key in node:
+        child = node._get_node(key)
+        if isinstance(child, DictConfig):
+            kind = OmegaConf.get_type(child)
+            if kind in SCHEMAS:
+                yield f"{prefix}{key}", kind
+            else:
+                yield from schema_nodes(child, f"{prefix}{key}.")
+
+
+def test_schema_defaults_are_written_once():
+    """train.yaml shows none of the schema nodes' keys, and no environment or engine file (composed right over the
+    schema) sets one to its default: such a line would be a second copy, free to drift. Experiments and ablations
+    override whatever they follow (swebench_toy puts back the memory cap that env/swebench raised), so they may."""
+    composed = dict(schema_nodes(config("experiment=appworld_canopy")))
+    assert set(composed) == {
+        "env.pool",
+        "env.sandbox",
+        "env.ray",
+        "env.appworld",
+        "parallelism",
+        "algorithm.rollout_correction",
+    }
+    copies = []
+    for path in [CONF / "train.yaml", *sorted(CONF.glob("env/*.yaml")), *sorted(CONF.glob("engine/*.yaml"))]:
+        raw = OmegaConf.load(path)
+        header = path.read_text().splitlines()[0]
+        package = "env." if header == "# @package env" else "engine." if header == "# @package engine" else ""
+        for key, shown in leaves(raw, package):
+            node = next((n for n in composed if key.startswith(n + ".")), None)
+            if node is not None:
+                field = key[len(node) + 1 :]
+                if path.name == "train.yaml" or code_default(composed[node], field) == shown:
+                    copies.append(f"{path.relative_to(CONF)}: {key}={shown!r}")
+    assert copies == []
+
+
+@pytest.mark.parametrize(
+    "override,problem",
+    [("env.pool.wokers=2", "not in 'PoolSettings'"), ("env.sandbox.memory_mb=lots", "converted to Integer")],
+)
+def test_a_typo_or_mistyped_schema_key_fails_at_composition(override, problem):
+    from hydra.errors import ConfigCompositionException
+
+    with pytest.raises(ConfigCompositionException) as error:
+        config(override)
+    assert problem in str(error.value.__cause__)
+
+
+def test_what_the_code_uses_is_what_the_config_says(tmp_path):
+    cfg = config("env=python_tasks", "env.sandbox.cpu_seconds=7", "parallelism.sequence_parallel=false")
+    env = build_env(cfg)
+    assert dataclasses.asdict(env.limits) == OmegaConf.to_container(cfg.env.sandbox)
+    assert dataclasses.asdict(env.limits)["cpu_seconds"] == 7
+    pooled = build_env(config("env=python_tasks", "env.pool.workers=2"))
+    assert pooled.settings == OmegaConf.to_object(config("env.pool.workers=2").env.pool)
+    module = build_module(cfg, "unused")
+    assert module.parallel == OmegaConf.to_object(cfg.parallelism) and module.parallel.sequence_parallel is False
+
+
+def test_appworld_settings_come_from_their_own_config_file(tmp_path, monkeypatch):
+    (tmp_path / "data" / "tasks").mkdir(parents=True)
+    python = tmp_path / "python"
+    python.write_text("")
+    monkeypatch.setenv("APPWORLD_ROOT", str(tmp_path))
+    monkeypatch.setenv("CANOPY_APPWORLD_PYTHON", str(python))
+    cfg = config("env=appworld", "env.appworld.cell_timeout_s=50")
+    assert appworld_kwargs(cfg.env) == {
+        **dataclasses.asdict(OmegaConf.to_object(cfg.env.appworld)),
+        "python": str(python),
+        "root": str(tmp_path),
+        "cell_timeout_s": 50,
+    }
+    with pytest.raises(ConfigError, match="env.appworld.python"):
+        monkeypatch.setenv("CANOPY_APPWORLD_PYTHON", str(tmp_path / "missing"))
+        appworld_kwargs(cfg.env)
+    assert "appworld" not in config("env=python_tasks").env  # AppWorld's keys live in conf/env/appworld.yaml
