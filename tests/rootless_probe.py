@@ -4,7 +4,8 @@ without root, in a user namespace. Prints what each command returned, as JSON.""
 import json
 import sys
 
-from canopy.envs.runtimes import BwrapRuntime, RuntimeSettings, check_runtime
+from canopy.envs.isolation import RuntimeSettings, check_runtime
+from canopy.envs.isolation.bubblewrap import BwrapRuntime
 
 root, image = sys.argv[1], sys.argv[2]
 settings = RuntimeSettings(kind="bwrap", image_root=f"{root}/images", memory_mb=256)

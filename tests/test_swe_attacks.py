@@ -9,11 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from canopy.envs.runtimes import RuntimeSettings, build_runtime
+from canopy.envs.isolation import RuntimeSettings, build_runtime
 from canopy.envs.swe_grading import grade
 from canopy.envs.swe_guard import runner_sections, scope, shadowing
-from canopy.tools import swe_attacks, swe_data
+from canopy.tools import swe_attacks
 from canopy.tools.swe_attacks import HOOK, Repo, new_file, replaced_file
+from canopy.tools.swe_data.instances import read_jsonl, write_jsonl
 
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="needs bubblewrap (make system)")
 PLAIN = 1  # a generated task whose tests run by `python -m pytest` on the test file the test patch changes
@@ -51,7 +52,7 @@ def red_team(tmp_path_factory):
 @pytest.fixture(scope="module")
 def tasks(red_team):
     _, out = red_team
-    instances = swe_data.read_jsonl(out / "train.jsonl")
+    instances = read_jsonl(out / "train.jsonl")
     runtime = build_runtime(RuntimeSettings(kind="bwrap", image_root=str(out / "images"), memory_mb=1024, pids=128))
 
     def repo(instance):
@@ -173,7 +174,7 @@ def test_attack_catalogue_runs_as_a_command(tasks, capsys):
 
     instances, runtime, repo = tasks
     root = Path(repo(instances[0]).testbed).parents[3]
-    swe_data.write_jsonl(root / "one.jsonl", instances[:1])
+    write_jsonl(root / "one.jsonl", instances[:1])
     with pytest.raises(SystemExit) as exited:
         swe_attacks.main([str(root / "one.jsonl"), "--image-root", str(root / "images")])
     lines = capsys.readouterr().out.splitlines()
@@ -203,7 +204,7 @@ def test_an_image_without_the_guards_tools_names_the_fix(tasks):
     """The guard runs bash, GNU find, sort, comm, sed and tar in the grading sandbox; where one fails, the grading
     is a serving fault whose message names `tamper=off`."""
     from canopy.envs.base import EnvironmentFault
-    from canopy.envs.runtimes import CommandResult
+    from canopy.envs.isolation.base import CommandResult
     from canopy.envs.swe_guard import TamperGuard
 
     class NoTools:

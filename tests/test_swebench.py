@@ -19,15 +19,19 @@ import yaml
 
 from canopy.datamodules.rollout import rollout_metrics
 from canopy.envs.base import EnvironmentFault, Task
+from canopy.envs.isolation import RuntimeSettings, SandboxError, build_runtime, safe_image_name
+from canopy.envs.isolation.cgroups import cgroups_usable
 from canopy.envs.pool import EnvironmentPool, PoolSettings
-from canopy.envs.runtimes import RuntimeSettings, SandboxError, build_runtime, cgroups_usable, safe_image_name
 from canopy.envs.swe_grading import grade
 from canopy.envs.swebench import SWEBenchEnvironment, harness, instance_task
 from canopy.errors import ConfigError
 from canopy.rollout.agent_loop import Budget, Trajectory, run_episodes
 from canopy.rollout.engine import Generation, SamplingParams
-from canopy.tools import swe_data
 from canopy.tools.swe_attacks import HOOK, new_file
+from canopy.tools.swe_data.cache_images import cache_images
+from canopy.tools.swe_data.convert import convert_rebench, convert_verified
+from canopy.tools.swe_data.generate import TEST_CMD, build_container_images, generate
+from canopy.tools.swe_data.instances import read_jsonl, write_jsonl
 from canopy.tools.tiny_model import build_byte_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -63,8 +67,8 @@ def wrong_fix(instance: dict) -> str:
 def generated(tmp_path_factory):
     """Eight generated tasks (train) and their images, plus instances broken in each way a setup can be."""
     out = tmp_path_factory.mktemp("swe")
-    paths = swe_data.generate(out, 8, seed=0)
-    instances = swe_data.read_jsonl(paths["train"])
+    paths = generate(out, 8, seed=0)
+    instances = read_jsonl(paths["train"])
     first = instances[0]
     broken = {
         "image_missing": {**first, "instance_id": "broken__image-1", "image": "canopy/absent:latest"},
@@ -80,7 +84,7 @@ def generated(tmp_path_factory):
     }
     (out / "images" / safe_image_name("canopy/no-testbed:latest") / "rootfs").mkdir(parents=True)
     (out / "images" / safe_image_name("canopy/no-testbed:latest") / "canopy-image.json").write_text('{"base": "host"}')
-    swe_data.write_jsonl(out / "broken.jsonl", list(broken.values()))
+    write_jsonl(out / "broken.jsonl", list(broken.values()))
     return {"out": out, "instances": instances, "broken": broken}
 
 
@@ -395,18 +399,18 @@ def test_convert_rebench_rows_builds_gradable_instances(generated):
         FAIL_TO_PASS=json.dumps(instance["FAIL_TO_PASS"]),  # SWE-rebench stores them as JSON strings
         PASS_TO_PASS=json.dumps(instance["PASS_TO_PASS"]),
         docker_image=instance["image"],
-        install_config={"test_cmd": swe_data.TEST_CMD, "log_parser": "parse_log_pytest"},
+        install_config={"test_cmd": TEST_CMD, "log_parser": "parse_log_pytest"},
     )
-    converted = swe_data.convert_rebench(row)
+    converted = convert_rebench(row)
     assert converted["FAIL_TO_PASS"] == instance["FAIL_TO_PASS"] and ">>>>> Test Exit Code" in converted["eval_script"]
     runtime = build_runtime(RuntimeSettings(kind="bwrap", image_root=str(generated["out"] / "images")))
     assert grade(runtime, converted, converted["patch"], 60).outcome == "resolved"
     assert grade(runtime, converted, instance["test_patch"], 60).outcome == "unresolved"
     with pytest.raises(ValueError, match="needs docker_image and install_config"):
-        swe_data.convert_rebench({**row, "install_config": {}})
+        convert_rebench({**row, "install_config": {}})
     with pytest.raises(ValueError, match="SWE-bench/SWE-bench_Verified"):
-        swe_data.convert_verified({**row, "instance_id": "django__django-11099"})
-    verified = swe_data.convert_verified(
+        convert_verified({**row, "instance_id": "django__django-11099"})
+    verified = convert_verified(
         {**row, "instance_id": "django__django-11099", "eval_script": "x", "log_parser": "parse_log_django"}
     )
     assert verified["image"] == "swebench/sweb.eval.x86_64.django_1776_django-11099:latest"
@@ -422,7 +426,7 @@ def test_filter_applies_appendix_h_in_order(generated, tiny_path, tmp_path):
         {**instances[3], "repo": "django/django"},
         long_statement,
     ]
-    swe_data.write_jsonl(tmp_path / "in.jsonl", rows)
+    write_jsonl(tmp_path / "in.jsonl", rows)
     command = [
         sys.executable, "-m", "canopy.tools.swe_data", "filter", tmp_path / "in.jsonl", tmp_path / "out.jsonl",
         "--tokenizer", str(tiny_path), "--image-root", str(generated["out"] / "images"), "--check-gold",
@@ -433,7 +437,7 @@ def test_filter_applies_appendix_h_in_order(generated, tiny_path, tmp_path):
     stages = [json.loads(line) for line in run.stdout.splitlines()]
     assert [s["instances"] for s in stages] == [7, 5, 4, 3]
     assert stages[-1]["mean_prompt_tokens"] > 0 and stages[2]["repos"] == 4
-    kept = [i["instance_id"] for i in swe_data.read_jsonl(tmp_path / "out.jsonl")]
+    kept = [i["instance_id"] for i in read_jsonl(tmp_path / "out.jsonl")]
     assert kept == [i["instance_id"] for i in instances[:3]]
     dropped = json.loads((tmp_path / "report.json").read_text())["dropped"]
     assert dropped["broken__image-1"] == "(i) image not materialized"
@@ -444,7 +448,7 @@ def test_filter_applies_appendix_h_in_order(generated, tiny_path, tmp_path):
 
 def test_cache_images_reports_what_it_could_not_materialize(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", str(tmp_path))  # neither skopeo nor umoci here
-    failed = swe_data.cache_images([{"image": "swerebench/sweb.eval.x86_64.a_1776_b-1:latest"}], tmp_path, "skopeo")
+    failed = cache_images([{"image": "swerebench/sweb.eval.x86_64.a_1776_b-1:latest"}], tmp_path, "skopeo")
     assert failed == {
         "swerebench/sweb.eval.x86_64.a_1776_b-1:latest": "skopeo is not installed (apt-get install skopeo)"
     }
@@ -454,7 +458,7 @@ def test_cache_images_reports_what_it_could_not_materialize(tmp_path, monkeypatc
 def test_swebench_toy_trains_and_evaluates_end_to_end(generated, tmp_path):
     data = generated["out"]
     dev = [generated["instances"][7], generated["broken"]["image_missing"]]
-    swe_data.write_jsonl(tmp_path / "dev.jsonl", dev)
+    write_jsonl(tmp_path / "dev.jsonl", dev)
     overrides = [
         "experiment=swebench_toy",
         f"model.tiny.dir={tmp_path / 'tiny'}",
@@ -513,7 +517,7 @@ def container_base(executable: str) -> str | None:
 
 
 def container_flags(executable: str) -> tuple[str, ...]:
-    from canopy.envs.runtimes import PODMAN_FLAGS
+    from canopy.envs.isolation.containers import PODMAN_FLAGS
 
     return PODMAN_FLAGS if executable == "podman" else ()
 
@@ -533,7 +537,7 @@ def test_container_runtimes_score_and_clean_up_like_bwrap(generated, tmp_path, e
     if base is None:
         pytest.skip(f"needs {executable} answering with the base image (docs/environments.md, SWE-bench)")
     instances = generated["instances"][:2]
-    swe_data.build_container_images(generated["out"], instances, base, executable)
+    build_container_images(generated["out"], instances, base, executable)
     a, b = instances
     scripts = {
         "resolved": [resolve(a), SUBMIT],
@@ -592,7 +596,7 @@ def test_bwrap_runs_rootless(generated):
             "canopy/compat.py",
             "canopy/errors.py",
             "canopy/envs/__init__.py",
-            "canopy/envs/runtimes.py",
+            *(str(path.relative_to(ROOT)) for path in sorted((ROOT / "canopy/envs/isolation").glob("*.py"))),
             "tests/rootless_probe.py",
         ):
             (code / module).parent.mkdir(parents=True, exist_ok=True)

@@ -10,7 +10,7 @@ is quarantined (`worker_start_failed`) if that fails too, so the pool never shri
 Each worker has a home of its own under the pool's scratch folder (`private_home`): nothing an environment's
 libraries create on first use lands in the user's home. Its stderr goes to `<scratch>/logs/worker<slot>.log`;
 the log of a worker that faulted is kept in `log_dir` (default `<tmp>/canopy-fault-logs`, the run's
-`env_logs/` in training) and named in the fault. Sandboxes a worker starts through `canopy.envs.runtimes` carry
+`env_logs/` in training) and named in the fault. Sandboxes a worker starts through `canopy.envs.isolation` carry
 its slot's tag: stopping the worker (also after kill -9) removes their cgroups and containers.
 
 Fault attribution: the agent's own endings come back from the worker as `AgentFailure` (scored 0). What the
@@ -49,7 +49,7 @@ from canopy.envs.base import (
     keep_fault_log,
     last_line,
 )
-from canopy.envs.runtimes import SLOT_TAG, release_slot
+from canopy.envs.isolation import SLOT_TAG, release_slot
 from canopy.envs.sandbox import SandboxLimits, claim_uid, kill_uid, private_home
 from canopy.envs.worker import read_frame, write_frame
 from canopy.errors import is_int, require

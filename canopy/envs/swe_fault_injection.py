@@ -17,7 +17,7 @@ from pathlib import Path
 
 from canopy.envs.base import Task
 from canopy.envs.fault_injection import inject
-from canopy.envs.runtimes import ImageMissing, SandboxError
+from canopy.envs.isolation import ImageMissing, SandboxError
 from canopy.envs.swe_grading import EVAL_PATH
 from canopy.envs.swebench import SWEBenchEnvironment, SWEBenchEpisode
 

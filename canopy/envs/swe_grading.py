@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from canopy.envs.base import EnvironmentFault
-from canopy.envs.runtimes import SandboxError
+from canopy.envs.isolation import SandboxError
 from canopy.envs.swe_guard import TamperGuard
 
 SWEBENCH_VERSION = "5.0.2"

@@ -55,7 +55,7 @@ from dataclasses import dataclass
 from pathlib import PurePosixPath
 
 from canopy.envs.base import EnvironmentFault
-from canopy.envs.runtimes import SandboxError
+from canopy.envs.isolation import SandboxError
 
 POLICIES = ("restore", "reject", "off")
 GUARD = "/tmp/canopy-guard"

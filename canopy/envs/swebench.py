@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from canopy.envs.base import EnvironmentFault, StepResult, Task, Verdict
-from canopy.envs.runtimes import ImageMissing, RuntimeSettings, SandboxError, build_runtime
+from canopy.envs.isolation import ImageMissing, RuntimeSettings, SandboxError, build_runtime
 from canopy.envs.swe_grading import grade
 from canopy.envs.swe_guard import POLICIES
 from canopy.errors import ConfigError, require
@@ -279,8 +279,8 @@ def environment_kwargs(env) -> dict:
     here: one line naming the fix otherwise)."""
     from omegaconf import OmegaConf
 
+    from canopy.envs.isolation import RuntimeUnavailable, check_runtime
     from canopy.envs.pool import PoolSettings
-    from canopy.envs.runtimes import RuntimeUnavailable, check_runtime
 
     if "swebench" not in env:
         raise ConfigError("env.swebench is missing: select SWE-bench with env=swebench (a config group), not env.name")

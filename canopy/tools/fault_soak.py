@@ -34,7 +34,7 @@ from canopy.envs.swebench import NO_PATCH_OUTCOMES
 from canopy.rollout.agent_loop import Budget, Trajectory, run_episodes
 from canopy.rollout.engine import Generation, SamplingParams
 from canopy.tools.swe_attacks import ATTACKS
-from canopy.tools.swe_data import generate
+from canopy.tools.swe_data.generate import generate
 from canopy.tools.tiny_model import build_byte_tokenizer
 
 AGENT_CODE = {

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from canopy.envs.runtimes import safe_image_name
+from canopy.envs.isolation import safe_image_name
 from canopy.envs.swe_guard import scope
 
 REPORTS_PASS = """\
@@ -325,7 +325,7 @@ def described(grade) -> str:
     return f"{grade.outcome}{stolen}{restored}"
 
 
-KINDS = {"runner-script task": 2, "new-test-file task": 3}  # task kinds of swe_data.generate_task, by index
+KINDS = {"runner-script task": 2, "new-test-file task": 3}  # task kinds of swe_data.generate.generate_task, by index
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "reward_integrity.md"
 TABLE = re.compile(r"(<!-- attacks -->\n).*?(<!-- /attacks -->)", re.DOTALL)
 
@@ -334,9 +334,10 @@ def red_team(folder: Path, workers: int = os.cpu_count() or 1) -> dict[str, dict
     """Every attack on a generated task of each of KINDS, graded upstream (`tamper: off`) and with the guard at its
     default: `results[kind][attack]` = (upstream Grade, guarded Grade). Each grade runs in a sandbox of its own,
     `workers` at a time."""
-    from canopy.envs.runtimes import RuntimeSettings, build_runtime
+    from canopy.envs.isolation import RuntimeSettings, build_runtime
     from canopy.envs.swe_grading import grade
-    from canopy.tools.swe_data import generate, read_jsonl
+    from canopy.tools.swe_data.generate import generate
+    from canopy.tools.swe_data.instances import read_jsonl
 
     instances = read_jsonl(generate(folder, max(KINDS.values()) + 1, seed=1)["train"])
     runtime = build_runtime(RuntimeSettings(kind="bwrap", image_root=str(folder / "images"), memory_mb=1024, pids=128))
@@ -365,9 +366,9 @@ def table(results: dict[str, dict[str, tuple]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from canopy.envs.runtimes import RuntimeSettings, build_runtime
+    from canopy.envs.isolation import RuntimeSettings, build_runtime
     from canopy.envs.swe_grading import grade
-    from canopy.tools.swe_data import read_jsonl
+    from canopy.tools.swe_data.instances import read_jsonl
 
     parser = argparse.ArgumentParser(prog="python -m canopy.tools.swe_attacks", description=__doc__.splitlines()[0])
     parser.add_argument("instances", nargs="?", help="swebench 5.x instances (JSONL) to attack")
