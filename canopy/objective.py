@@ -31,11 +31,6 @@ def step_advantages(
     return advantages.to(torch.float32)
 
 
-def group_advantages(rewards: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """Eq. 3 for one group: `step_advantages` of a single group whose invalid entries are its quarantined ones."""
-    return step_advantages(rewards[None], ~valid.to(torch.bool)[None])[0]
-
-
 def k3_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
     """Schulman's k3 estimator of KL(pi_theta || pi_ref) per token: exp(ref-lp) - (ref-lp) - 1 >= 0."""
     log_ratio = ref_logprobs - logprobs

@@ -6,10 +6,10 @@ import torch
 from canopy.datamodules.rollout import AdaptiveGroups, RolloutDataModule, StepStats, pack, score_groups
 from canopy.envs.base import Task, Verdict
 from canopy.envs.embedded import EmbeddedEnvironment
-from canopy.objective import group_advantages
 from canopy.rollout.agent_loop import Budget, Trajectory
 from canopy.rollout.engine import LocalEngine, SamplingParams
 from tests.scripted import ScriptedEngine
+from tests.test_objective import group_advantages
 
 BUDGET = Budget(
     max_turns=4, max_response_tokens=64, max_prompt_tokens=128, max_observation_tokens=32, max_context_tokens=512

@@ -3,11 +3,16 @@ import math
 import pytest
 import torch
 
-from canopy.objective import canopy_loss, group_advantages, k3_kl, step_advantages
+from canopy.objective import canopy_loss, k3_kl, step_advantages
 
 
 def ones(n):
     return torch.ones(n, dtype=torch.bool)
+
+
+def group_advantages(rewards: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Eq. 3 for one group: `step_advantages` of a single group whose invalid entries are its quarantined ones."""
+    return step_advantages(rewards[None], ~valid[None])[0]
 
 
 # ---------------------------------------------------------------- advantages (Eq. 3, Appendix B, Appendix G)

@@ -20,11 +20,6 @@ def best_at_k(runs: dict[str, list[float]]) -> float:
     return sum(max(r) for r in runs.values()) / len(runs)
 
 
-def tgc(success: dict[str, float]) -> float:
-    """Task goal completion: the fraction of tasks solved in one run."""
-    return sum(success.values()) / len(success)
-
-
 def sgc(success: dict[str, float], scenario: dict[str, str]) -> float:
     """Scenario goal completion: the mean over scenarios of the minimum success of their tasks."""
     by_scenario: dict[str, list[float]] = defaultdict(list)
