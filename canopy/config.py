@@ -8,7 +8,7 @@ from hydra import compose, initialize_config_dir
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
-from canopy.envs.appworld import AppWorldSettings
+from canopy.envs import available, environment_module
 from canopy.envs.pool import PoolSettings
 from canopy.envs.ray_pool import RaySettings
 from canopy.envs.sandbox import SandboxLimits
@@ -17,16 +17,20 @@ from canopy.mismatch import RolloutCorrection
 from canopy.modules.parallel import ParallelSettings
 
 ENGINES = ("local", "sglang")
-SCHEMAS = (PoolSettings, SandboxLimits, RaySettings, AppWorldSettings, ParallelSettings, RolloutCorrection)
-"""Components whose settings dataclass is the schema of their config node and holds its only defaults. Each is
-composed in as `schema@<node>: <Class>` (conf/train.yaml; AppWorld's in conf/env/appworld.yaml), the YAML setting
-only what differs (`python train.py --cfg job` prints every key)."""
+SCHEMAS = (PoolSettings, SandboxLimits, RaySettings, ParallelSettings, RolloutCorrection) + tuple(
+    environment_module(name).SETTINGS for name in available() if hasattr(environment_module(name), "SETTINGS")
+)
+"""Components whose settings dataclass is the schema of their config node and holds its only defaults (an
+environment's is its module's `SETTINGS`). Each is composed in as `schema@<node>: <Class>` (conf/train.yaml; an
+environment's in conf/env/<name>.yaml), the YAML setting only what differs (`python train.py --cfg job` prints
+every key)."""
 
 
 def register_schemas() -> None:
     for schema in SCHEMAS:
         node = OmegaConf.structured(schema)
-        OmegaConf.set_readonly(node, False)  # a frozen settings object; its config node takes the YAML's values
+        for frozen in (node, *(node[key] for key in node if OmegaConf.is_config(node[key]))):
+            OmegaConf.set_readonly(frozen, None)  # a frozen settings object; its config node takes the YAML's values
         ConfigStore.instance().store(group="schema", name=schema.__name__, node=node)
 
 

@@ -49,7 +49,12 @@ def leaves(node: DictConfig, prefix: str = ""):
 
 
 def code_default(component, name):
-    """`component`'s own default for `name`, or None when it takes no such argument or requires it."""
+    """`component`'s own default for `name` (a dotted path into nested settings), or None when it takes no such
+    argument or requires it."""
+    if "." in name:
+        head, rest = name.split(".", 1)
+        nested = code_default(component, head)
+        return code_default(type(nested), rest) if dataclasses.is_dataclass(nested) else None
     if dataclasses.is_dataclass(component):
         field = next((f for f in dataclasses.fields(component) if f.name == name), None)
         if field is None:
@@ -90,11 +95,13 @@ def test_schema_defaults_are_written_once():
     schema) sets one to its default: such a line would be a second copy, free to drift. Experiments and ablations
     override whatever they follow (swebench_toy puts back the memory cap that env/swebench raised), so they may."""
     composed = dict(schema_nodes(config("experiment=appworld_canopy")))
+    composed.update(schema_nodes(config("experiment=swebench_canopy")))
     assert set(composed) == {
         "env.pool",
         "env.sandbox",
         "env.ray",
         "env.appworld",
+        "env.swebench",
         "parallelism",
         "algorithm.rollout_correction",
     }

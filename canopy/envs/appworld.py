@@ -449,9 +449,6 @@ class AppWorldEnvironment:
         return AppWorldEpisode(self, task, seed)
 
 
-ENVIRONMENT = AppWorldEnvironment
-
-
 @dataclass
 class AppWorldSettings:
     """`env.appworld.*` (conf/env/appworld.yaml): the keyword arguments of `AppWorldEnvironment`, the schema and the
@@ -498,6 +495,9 @@ class AppWorldSettings:
             "start boots a server, then one more AppWorld request), or the agent's slow code would be blamed on the "
             "worker",
         )
+
+
+ENVIRONMENT, SETTINGS = AppWorldEnvironment, AppWorldSettings
 
 
 def environment_kwargs(env) -> dict:

@@ -131,21 +131,29 @@ def instance_task(instance: dict) -> Task:
 
 @dataclass(frozen=True)
 class SWEBenchSettings:
-    """`env.swebench.*` (Table A3's values as defaults)."""
+    """`env.swebench.*` (conf/env/swebench.yaml): the schema and the only defaults of those keys, Table A3's values."""
 
-    data: dict = field(default_factory=dict)  # split -> instances JSONL
-    runtime: dict = field(default_factory=dict)  # RuntimeSettings
-    no_patch_reward: float = -0.2
+    data: dict[str, str] = field(default_factory=dict)  # split -> instances JSONL in swebench 5.x's format
+    # (swe_data convert / filter)
+    runtime: RuntimeSettings = field(default_factory=RuntimeSettings)  # each episode's sandbox (Table A3: 2 CPU, 6 GB)
+    no_patch_reward: float = -0.2  # Table A3: no submission, empty patch, patch does not apply, rollout timeout
     rollout_timeout_s: float = 5400.0
-    eval_timeout_s: float = 1800.0
-    command_timeout_s: float | None = None  # null: mini-swe-agent's own (60 s)
-    missing_image_scores_zero: list = field(default_factory=list)  # splits (Appendix H's evaluation); else quarantine
-    check_base_commit: bool = True
-    tamper: str = "restore"  # restore | reject | off (canopy.envs.swe_guard)
+    eval_timeout_s: float = 1800.0  # the eval script; past it the tests count as failed (0)
+    command_timeout_s: float | None = None  # null: mini-swe-agent's own (60 s); a command past it is an observation
+    missing_image_scores_zero: list[str] = field(default_factory=list)  # splits where a missing image scores 0
+    # (Appendix H: Verified); else quarantined
+    check_base_commit: bool = True  # HEAD must be base_commit when an episode starts (else quarantined)
+    tamper: str = "restore"  # restore | reject | off: what the patch changed of how its tests run (conftest.py,
+    # runner configuration, plugins, start-up hooks: canopy/envs/swe_guard.py) is put back before grading, or scores
+    # unresolved untested; off grades as upstream does
+
+    def __post_init__(self):
+        if isinstance(self.runtime, dict):  # as a pool's worker receives it
+            object.__setattr__(self, "runtime", RuntimeSettings(**self.runtime))
 
     def validate(self, pool) -> None:
 
-        RuntimeSettings(**self.runtime).validate()
+        self.runtime.validate()
         require(
             self.data, "env.swebench.data is empty: map each split to an instances JSONL (env.swebench.data.train=...)"
         )
@@ -259,7 +267,7 @@ class SWEBenchEnvironment:
 
     def __init__(self, **settings):
         self.settings = SWEBenchSettings(**settings)
-        self.runtime = build_runtime(RuntimeSettings(**self.settings.runtime))
+        self.runtime = build_runtime(self.settings.runtime)
         self.command_timeout = self.settings.command_timeout_s or harness().command_timeout
 
     def tasks(self, split: str) -> list[Task]:
@@ -271,7 +279,7 @@ class SWEBenchEnvironment:
         return SWEBenchEpisode(self, task)
 
 
-ENVIRONMENT = SWEBenchEnvironment
+ENVIRONMENT, SETTINGS = SWEBenchEnvironment, SWEBenchSettings
 
 
 def environment_kwargs(env) -> dict:
@@ -290,7 +298,7 @@ def environment_kwargs(env) -> dict:
         raise ConfigError("env.name=swebench runs behind the pool: set env.pool.workers >= 1")
     settings.validate(pool)
     try:
-        check_runtime(RuntimeSettings(**settings.runtime))
+        check_runtime(settings.runtime)
     except RuntimeUnavailable as error:
         raise ConfigError(f"env.swebench.runtime: {error}") from None
     return asdict(settings)

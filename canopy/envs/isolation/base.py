@@ -27,12 +27,12 @@ class ImageMissing(SandboxError):
 
 @dataclass(frozen=True)
 class RuntimeSettings:
-    """`env.swebench.runtime.*`."""
+    """`env.swebench.runtime.*`: the schema and the only defaults of those keys (Table A3: 2 CPU, 6 GB per episode)."""
 
-    kind: str = "auto"  # auto | bwrap | docker | podman
+    kind: str = "auto"  # auto | bwrap | docker | podman (`choice.resolve_kind` says what auto picks)
     image_root: str | None = None  # bwrap: unpacked images, <image_root>/<safe name>/rootfs
     cpus: float = 2.0
-    memory_mb: int = 6144
+    memory_mb: int = 6144  # a cgroup caps each sandbox's memory at this
     pids: int = 1024
     workdir: str = "/testbed"
     max_output_bytes: int = 1_000_000  # per command; the head and tail halves are kept past it
