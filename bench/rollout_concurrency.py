@@ -28,7 +28,7 @@ from fake_sglang import FakeSGLang  # noqa: E402
 from canopy.envs.base import StepResult, Task, Verdict  # noqa: E402
 from canopy.rollout.agent_loop import Budget, run_episodes  # noqa: E402
 from canopy.rollout.engine import SamplingParams  # noqa: E402
-from canopy.rollout.sglang_engine import SGLangEngine, SGLangSettings  # noqa: E402
+from canopy.rollout.sglang import SGLangEngine, SGLangSettings  # noqa: E402
 from canopy.tools.tiny_model import build_byte_tokenizer, build_tiny_checkpoint  # noqa: E402
 
 
@@ -130,7 +130,7 @@ def main() -> None:
     print(f"per-episode loop                          {new:7.2f} s   {new / ideal:.2f}x of ideal")
     print(f"barrier loop (old)                        {old:7.2f} s   {old / ideal:.2f}x of ideal")
     print(f"per-episode vs barrier: {old / new:.2f}x faster")
-    turns, first = engine.routing["turns"], engine.routing["on_first_server"]
+    turns, first = engine.router.counts["turns"], engine.router.counts["on_first_server"]
     print(f"prefix-cache locality: {first / turns:.3f} of turns on their episode's first server ({turns} turns)")
 
 

@@ -16,7 +16,7 @@ from canopy.mismatch import RolloutCorrection
 from canopy.modules.canopy_module import CanopyModule
 from canopy.rollout.agent_loop import Budget, ChatTokenizer
 from canopy.rollout.engine import EngineHandle, LocalEngine, SamplingParams
-from canopy.rollout.sglang_engine import SGLangEngine, SGLangSettings, serving_dtype
+from canopy.rollout.sglang import SGLangEngine, SGLangSettings, serving_dtype
 from canopy.tools.tiny_model import build_tiny_checkpoint
 from canopy.trajectories import TrajectoryLog, sampling_of
 

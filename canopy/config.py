@@ -187,7 +187,7 @@ def validate(cfg: DictConfig) -> None:
     from canopy.envs import environment_kwargs, environment_module  # each component checks its own keys
     from canopy.envs.pool import check_serving
     from canopy.modules.policy import MODEL_FAMILIES
-    from canopy.rollout.sglang_engine import SGLangSettings
+    from canopy.rollout.sglang import SGLangSettings
 
     environment_module(cfg.env.name)
     check_serving(cfg.env)

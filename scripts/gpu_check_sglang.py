@@ -26,7 +26,7 @@ from safetensors.torch import load_file, save_file
 from transformers import Qwen3ForCausalLM
 
 from canopy.rollout.engine import SamplingParams
-from canopy.rollout.sglang_engine import SGLangEngine, SGLangSettings
+from canopy.rollout.sglang import SGLangEngine, SGLangSettings
 from canopy.tools.tiny_model import build_tiny_checkpoint
 
 FAILED = []

@@ -82,14 +82,14 @@ def test_every_turn_of_an_episode_goes_to_one_server(tiny_path, tokenizer, tmp_p
     trajectories, _ = run_episodes(engine, CountdownEnvironment(), tokenizer, jobs(24, 5), BUDGET, SamplingParams())
     assert all(t.verdict == Verdict(1, 1) and t.num_turns == 5 for t in trajectories)
     assert all(len(numbers) == 1 for numbers in episode_servers(servers, tokenizer).values())
-    assert engine.routing["turns"] == 24 * 5 and engine.routing["on_first_server"] == 24 * 5
+    assert engine.router.counts["turns"] == 24 * 5 and engine.router.counts["on_first_server"] == 24 * 5
     load = [len(s.bodies("/generate")) for s in servers]
     assert min(load) > 0  # first turns spread over the servers (least loaded)
 
 
 def test_a_dying_server_is_ejected_then_readmitted_and_no_episode_is_lost(tiny_path, tokenizer, tmp_path, servers):
     engine = engine_for(tiny_path, tmp_path, servers, concurrency=64, max_retries=2)
-    engine.health_interval_s = 0.05
+    engine.router.health_interval_s = 0.05
     victim = servers[0]
     port = int(victim.url.rsplit(":", 1)[1])
 
@@ -97,11 +97,11 @@ def test_a_dying_server_is_ejected_then_readmitted_and_no_episode_is_lost(tiny_p
         while len(victim.bodies("/generate")) < 10:
             time.sleep(0.005)
         victim.stop()
-        while engine.routing["ejections"] == 0:
+        while engine.router.counts["ejections"] == 0:
             time.sleep(0.005)
         restarted = FakeSGLang(port=port)  # back, but with other weights: it stays out until it has ours
         time.sleep(0.3)
-        readmitted_while_stale.append(engine.routing["readmissions"])
+        readmitted_while_stale.append(engine.router.counts["readmissions"])
         restarted.version = "0"  # re-synced
         servers[0] = restarted
 
@@ -113,12 +113,12 @@ def test_a_dying_server_is_ejected_then_readmitted_and_no_episode_is_lost(tiny_p
     saboteur.join()
     assert readmitted_while_stale == [0]  # healthy but on other weights: not re-admitted
     assert len(trajectories) == 24 and all(t.verdict == Verdict(1, 1) for t in trajectories)  # none lost
-    assert engine.routing["ejections"] == 1
+    assert engine.router.counts["ejections"] == 1
     deadline = time.monotonic() + 5
-    while engine.routing["readmissions"] == 0 and time.monotonic() < deadline:
+    while engine.router.counts["readmissions"] == 0 and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert engine.routing["readmissions"] == 1 and not any(s.ejected for s in engine.servers)
-    moved = engine.routing["turns"] - engine.routing["on_first_server"]
+    assert engine.router.counts["readmissions"] == 1 and not any(s.ejected for s in engine.fleet.servers)
+    moved = engine.router.counts["turns"] - engine.router.counts["on_first_server"]
     assert moved > 0  # the dead server's episodes moved (and stayed) elsewhere
     engine.close()
 
@@ -129,7 +129,7 @@ def test_requests_failing_everywhere_quarantine_their_episodes_and_are_counted(t
     server.stop()
     trajectories, _ = run_episodes(engine, CountdownEnvironment(), tokenizer, jobs(3, 2), BUDGET, SamplingParams())
     assert [t.quarantine for t in trajectories] == ["engine_request_failed"] * 3
-    assert engine.routing["ejections"] == 1
+    assert engine.router.counts["ejections"] == 1
     engine.close()
 
 
@@ -189,4 +189,4 @@ def test_a_gateway_carries_the_data_plane_keyed_by_episode(tiny_path, tmp_path, 
     assert sum(len(server.bodies("/generate")) for server in servers) == len(keys)  # all through the gateway
     for server in servers:  # the control plane: every server, directly
         assert server.bodies("/update_weights_from_disk")[-1]["weight_version"] == "1" and server.version == "1"
-    assert after_sync.weight_version == 1 and engine.routing["turns"] == len(keys)
+    assert after_sync.weight_version == 1 and engine.router.counts["turns"] == len(keys)

@@ -28,9 +28,11 @@ from sglang_contract import (
 )
 from test_sglang_engine import config, engine_for, tiny_weights
 
-from canopy.rollout import sglang_engine
+from canopy.rollout import sglang
 from canopy.rollout.engine import SamplingParams
-from canopy.rollout.sglang_engine import SGLangSettings
+from canopy.rollout.sglang import SGLangSettings
+from canopy.rollout.sglang import routing as sglang_routing
+from canopy.rollout.sglang import servers as sglang_servers
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -52,7 +54,7 @@ def canopy_requests(tiny_path, work: Path, routes=ROUTES) -> list:
     servers = [FakeSGLang(routes=routes), FakeSGLang(routes=routes)]
     try:
         engine = engine_for(tiny_path, work / "disk", servers)
-        engine.health_interval_s = 0.01
+        engine.router.health_interval_s = 0.01
         run = OmegaConf.to_container(config().sampling)
         sampling = SamplingParams(**{k: run[k] for k in ("temperature", "top_p", "top_k")})
         engine.generate([[5, 6, 7], [5, 6]], [10, 1], sampling, keys=["e0", "e1"])
@@ -60,7 +62,7 @@ def canopy_requests(tiny_path, work: Path, routes=ROUTES) -> list:
             server.failures = ["500"]  # both fail once: ejected, retried, re-admitted once /health answers
         engine.generate([[5]], [4], SamplingParams(), keys=["e2"])
         deadline = time.monotonic() + 10
-        while engine.routing["readmissions"] < engine.routing["ejections"] and time.monotonic() < deadline:
+        while engine.router.counts["readmissions"] < engine.router.counts["ejections"] and time.monotonic() < deadline:
             time.sleep(0.01)
         engine.update_weights(tiny_weights(tiny_path, 0.01).items(), 1)
         engine.generate([[5, 6]], [4], sampling, keys=["e0"])
@@ -97,7 +99,7 @@ def canopy_launches() -> list[tuple[str, list[str], dict[str, str]]]:
     for source, cfg in settings.items():
         for budget in (cfg.budget, cfg.eval.enlarged.budget):
             rope = OmegaConf.to_container(budget.rope_scaling) if budget.get("rope_scaling") else None
-            argv, env = sglang_engine.launch_command(
+            argv, env = sglang_servers.launch_command(
                 SGLangSettings(**cfg.engine.sglang), "/models/m", 1, budget.max_context_tokens, rope, cfg.seed
             )
             launches.append((f"{source} ({budget.name} budget)", argv, env))
@@ -108,7 +110,7 @@ def canopy_launches() -> list[tuple[str, list[str], dict[str, str]]]:
         if isinstance(call, ast.Call) and call.args and getattr(call.args[0], "value", None) == "--extra-args"
     ]
     gpu_check = SGLangSettings(python="/x", extra_args=extra.split())
-    launches.append(("scripts/gpu_check_sglang.py", *sglang_engine.launch_command(gpu_check, "/m", 0, None, None, 0)))
+    launches.append(("scripts/gpu_check_sglang.py", *sglang_servers.launch_command(gpu_check, "/m", 0, None, None, 0)))
     return launches
 
 
@@ -163,8 +165,13 @@ def test_every_request_canopy_sends_is_served_by_the_release(sent):
     assert not failures, f"sglang {api.version}:\n" + "\n".join(map(str, failures))
     assert {call.status for call in sent} == {200, 500}  # the fakes answered every route (500: the scripted one)
     # the collection drove every route the engine's code names
-    source = ast.parse(Path(sglang_engine.__file__).read_text())
-    named = {n.value for n in ast.walk(source) if isinstance(n, ast.Constant) and str(n.value).startswith("/")}
+    sources = [ast.parse(path.read_text()) for path in Path(sglang.__file__).parent.glob("*.py")]
+    named = {
+        n.value
+        for source in sources
+        for n in ast.walk(source)
+        if isinstance(n, ast.Constant) and str(n.value).startswith("/")
+    }
     named = {path for path in named if path[1:].replace("_", "").isalpha()}
     assert named == {call.path for call in sent}
 
@@ -228,7 +235,7 @@ def test_the_fake_serves_exactly_the_routes_canopy_calls_as_the_release_does(sen
 def test_misspelt_routes_fields_flags_and_variables_are_reported(tiny_path, tmp_path, monkeypatch):
     """Mutations of what the engine sends, at its HTTP call and its launch command: the contract names each."""
     api = release()
-    request = sglang_engine._request
+    request = sglang_servers.request
 
     def misspelt(url, body, timeout, headers=None):
         url = url.replace("/update_weights_from_disk", "/update_weight_from_disk")
@@ -243,7 +250,8 @@ def test_misspelt_routes_fields_flags_and_variables_are_reported(tiny_path, tmp_
             body["sampling_params"]["no_stop_trimming"] = body["sampling_params"].pop("no_stop_trim")
         return request(url, body, timeout, headers)
 
-    monkeypatch.setattr(sglang_engine, "_request", misspelt)
+    for module in (sglang_servers, sglang_routing):  # each module that sends requests
+        monkeypatch.setattr(module, "request", misspelt)
     calls = canopy_requests(tiny_path, tmp_path, routes=None)  # fakes that answer anything: the contract must tell
     found = {(f.kind, f.where) for f in check_requests(api, [(c.method, c.path, c.body) for c in calls])}
     assert found == {
@@ -255,7 +263,7 @@ def test_misspelt_routes_fields_flags_and_variables_are_reported(tiny_path, tmp_
         ("unknown_sampling_param", "POST /generate sampling_params no_stop_trimming"),
     }
 
-    command = sglang_engine.launch_command
+    command = sglang_servers.launch_command
 
     def misspelt_launch(*args, **kwargs):
         argv, env = command(*args, **kwargs)
@@ -263,7 +271,7 @@ def test_misspelt_routes_fields_flags_and_variables_are_reported(tiny_path, tmp_
         env = {k.replace("LOGPROB", "LOGPROBS"): v.replace("1", "on") for k, v in env.items()}
         return [renames.get(a, a) for a in argv], env
 
-    monkeypatch.setattr(sglang_engine, "launch_command", misspelt_launch)
+    monkeypatch.setattr(sglang_servers, "launch_command", misspelt_launch)
     found = {(f.kind, f.where) for _, argv, env in canopy_launches() for f in check_launch(api, argv, env)}
     assert found == {
         ("unknown_flag", "--mem-fraction"),

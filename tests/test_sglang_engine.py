@@ -22,19 +22,10 @@ from canopy.envs.base import Task
 from canopy.envs.embedded import EmbeddedEnvironment
 from canopy.errors import ConfigError
 from canopy.rollout.agent_loop import Budget, render_prompt, run_episodes
-from canopy.rollout.engine import SamplingParams
-from canopy.rollout.sglang_engine import (
-    GROUP_NAME,
-    EngineFault,
-    SGLangEngine,
-    SGLangSettings,
-    StaleSampleError,
-    broadcast_from_trainer,
-    client_host,
-    init_custom_process_group,
-    launch_command,
-    serving_dtype,
-)
+from canopy.rollout.engine import EngineFault, SamplingParams
+from canopy.rollout.sglang import SGLangEngine, SGLangSettings, StaleSampleError, serving_dtype
+from canopy.rollout.sglang.servers import client_host, launch_command
+from canopy.rollout.sglang.weight_sync import GROUP_NAME, broadcast_from_trainer, init_custom_process_group
 from tests.fake_sglang import FakeSGLang
 
 STOPS = [2, 0]  # <|im_end|>, <|endoftext|> in the tiny tokenizer
@@ -330,7 +321,11 @@ def test_engine_config_validation_and_build(tiny_path, tokenizer, tmp_path, fake
     monkeypatch.setenv("CANOPY_SGLANG_PYTHON", "/opt/sglang/bin/python")
     assert config("engine.name=sglang").engine.sglang.python == "/opt/sglang/bin/python"
     engine = build_engine(config(*attach), str(tiny_path), tokenizer)
-    assert isinstance(engine, SGLangEngine) and engine.servers[0].url == server.url and engine.stop_token_ids == [0, 2]
+    assert (
+        isinstance(engine, SGLangEngine)
+        and engine.fleet.servers[0].url == server.url
+        and engine.stop_token_ids == [0, 2]
+    )
 
 
 def test_servers_and_trainer_never_share_gpus_and_remote_servers_reach_rank_0():

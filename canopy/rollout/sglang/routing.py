@@ -1,0 +1,138 @@
+"""Which server serves each /generate request, and its retries. Routing is sticky per episode: its first turn goes to
+the healthy server with the fewest requests in flight, and its later turns follow, so its growing prefix stays in
+that server's cache. A server that fails a request (connection error, 5xx) is ejected and re-admitted once its
+/health answers; retries go to another server. With `router_url` the requests go to SGLang's model gateway instead,
+the episode id in its `X-SMG-Routing-Key` header (the gateway's manual or consistent-hashing policy keeps the episode
+on one server). A request still failing after `max_retries` retries comes back as an `EngineFault`."""
+
+import threading
+import time
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Iterable
+
+from canopy.rollout.engine import EngineFault, Generation
+from canopy.rollout.sglang.servers import TRANSIENT, Fleet, HTTPError, Server, request
+from canopy.rollout.sglang.settings import SGLangSettings
+
+ROUTES_KEPT = 1 << 16  # sticky routes remembered
+ROUTING_KEY_HEADER = "X-SMG-Routing-Key"  # the gateway's session key (its manual / consistent_hashing policies)
+
+
+class Aborted(Exception):
+    """The server aborted the request (finish_reason abort): worth another try."""
+
+
+class Router:
+    """Sends each /generate request of an episode to its server (or the gateway), ejecting and re-admitting servers."""
+
+    def __init__(self, fleet: Fleet, settings: SGLangSettings, retry_backoff_s: float, health_interval_s: float):
+        self.fleet, self.settings = fleet, settings
+        self.retry_backoff_s, self.health_interval_s = retry_backoff_s, health_interval_s
+        self.lock = threading.Lock()
+        # SGLang's model gateway, when given: the data plane (/generate), pinned per episode by its routing key
+        self.gateway = Server(settings.router_url.rstrip("/"), 0) if settings.router_url else None
+        # episode key -> (its server, the server of its first turn): sticky routing, least recently used dropped first
+        self.routes: OrderedDict[str, tuple[Server, Server]] = OrderedDict()
+        self.counts = Counter()  # turns, on_first_server, ejections, readmissions
+        self.watcher: threading.Thread | None = None
+        self.closing = False
+
+    def generate(self, body: dict, key: str | None, parse: Callable[[dict], Generation]) -> Generation | EngineFault:
+        """POST `body` to /generate on the episode's server and `parse` the reply, retrying an aborted, 5xx, timed-out
+        or refused request (on another server when there is one); a request the server rejects as invalid raises."""
+        failed, error = None, None
+        for attempt in range(self.settings.max_retries + 1):
+            if attempt:
+                time.sleep(self.retry_backoff_s * attempt)
+            server = self._acquire(avoid=failed, key=key)
+            headers = {ROUTING_KEY_HEADER: key} if server is self.gateway and key is not None else None
+            try:
+                return parse(request(server.url + "/generate", body, self.settings.request_timeout_s, headers))
+            except HTTPError as e:
+                if e.status < 500 and e.status not in (408, 429):
+                    raise RuntimeError(
+                        f"SGLang {server.url} rejected a /generate request: {e}; "
+                        "check the budget against the server's --context-length"
+                    ) from None
+                failed, error = server, e
+                if e.status >= 500:
+                    self._eject(server)
+            except Aborted as e:  # the server chose to abort (a weight sync pauses it): not a sick server
+                failed, error = server, e
+            except TRANSIENT as e:
+                failed, error = server, e
+                self._eject(server)
+            finally:
+                self._release(server)
+        return EngineFault("engine_request_failed", f"{attempt + 1} tries, last on {failed.url}: {error!r}")
+
+    def forget(self, keys: Iterable[str]) -> None:
+        """These episodes ended: drop their routes."""
+        with self.lock:
+            for key in keys:
+                self.routes.pop(key, None)
+
+    def close(self) -> None:
+        """Stop the health watcher (after its current round)."""
+        self.closing = True
+
+    def _acquire(self, avoid: Server | None, key: str | None = None) -> Server:
+        """The episode's server (`key`), sticky from its first turn so that its prefix stays in that server's cache;
+        on a first turn, or when its server is ejected or just failed (`avoid`), the healthy server with the fewest
+        requests in flight, which the episode then keeps. Ejected servers take requests only when none is healthy.
+        With a gateway (`router_url`) every request goes to it, and it keeps the episode on one server."""
+        with self.lock:
+            if self.gateway is not None:
+                self.gateway.outstanding += 1
+                self.counts["turns"] += key is not None
+                return self.gateway
+            servers = self.fleet.servers
+            healthy = [s for s in servers if not s.ejected and s is not avoid]
+            candidates = healthy or [s for s in servers if s is not avoid] or servers
+            server, first = self.routes.pop(key, (None, None))
+            if server not in candidates:
+                server = min(candidates, key=lambda s: s.outstanding)
+            if key is not None:
+                self.routes[key] = (server, first or server)  # (re)inserted last: the most recently used
+                while len(self.routes) > ROUTES_KEPT:
+                    self.routes.popitem(last=False)
+                self.counts["turns"] += 1
+                self.counts["on_first_server"] += server is (first or server)
+            server.outstanding += 1
+            return server
+
+    def _eject(self, server: Server) -> None:
+        """Take a failing server out of routing; the health watcher re-admits it once /health answers and it serves the
+        fleet's weight version. The gateway is never ejected: it routes around its own failing servers, and its
+        requests are retried like any other."""
+        with self.lock:
+            if server.ejected or server is self.gateway:
+                return
+            server.ejected = True
+            self.counts["ejections"] += 1
+            if self.watcher is None or not self.watcher.is_alive():
+                self.watcher = threading.Thread(target=self._watch_ejected, name="sglang-health", daemon=True)
+                self.watcher.start()
+
+    def _watch_ejected(self) -> None:
+        while not self.closing:
+            with self.lock:
+                ejected = [s for s in self.fleet.servers if s.ejected]
+            if not ejected:
+                return
+            time.sleep(self.health_interval_s)
+            for server in ejected:
+                try:  # healthy, and serving the fleet's weights (a restarted server holds others until re-synced)
+                    request(server.url + "/health", None, timeout=5)
+                    info = request(server.url + "/model_info", None, timeout=5)
+                except (HTTPError, *TRANSIENT):
+                    continue
+                if str(info.get("weight_version")) != str(self.fleet.weight_version):
+                    continue
+                with self.lock:
+                    server.ejected = False
+                    self.counts["readmissions"] += 1
+
+    def _release(self, server: Server) -> None:
+        with self.lock:
+            server.outstanding -= 1
