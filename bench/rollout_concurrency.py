@@ -70,8 +70,11 @@ class BarrierEngine:
     def __init__(self, engine):
         self.engine = engine
 
-    def generate(self, prompts, max_new_tokens, sampling):
-        return self.engine.generate(prompts, max_new_tokens, sampling)
+    def generate(self, prompts, max_new_tokens, sampling, keys=None):
+        return self.engine.generate(prompts, max_new_tokens, sampling, keys)
+
+    def release(self, keys):
+        self.engine.release(keys)
 
 
 def latency(episode: str, turn: int, seed: int, decode_tps: float) -> float:

@@ -15,9 +15,10 @@ from canopy.envs.sandbox import SandboxLimits
 from canopy.errors import ConfigError, is_int, require
 from canopy.mismatch import RolloutCorrection
 from canopy.modules.parallel import ParallelSettings
+from canopy.rollout.sglang import SGLangSettings
 
 ENGINES = ("local", "sglang")
-SCHEMAS = (PoolSettings, SandboxLimits, RaySettings, ParallelSettings, RolloutCorrection) + tuple(
+SCHEMAS = (PoolSettings, SandboxLimits, RaySettings, ParallelSettings, RolloutCorrection, SGLangSettings) + tuple(
     environment_module(name).SETTINGS for name in available() if hasattr(environment_module(name), "SETTINGS")
 )
 """Components whose settings dataclass is the schema of their config node and holds its only defaults (an
@@ -187,7 +188,6 @@ def validate(cfg: DictConfig) -> None:
     from canopy.envs import environment_kwargs, environment_module  # each component checks its own keys
     from canopy.envs.pool import check_serving
     from canopy.modules.policy import MODEL_FAMILIES
-    from canopy.rollout.sglang import SGLangSettings
 
     environment_module(cfg.env.name)
     check_serving(cfg.env)

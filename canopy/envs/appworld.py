@@ -454,18 +454,14 @@ class AppWorldSettings:
     """`env.appworld.*` (conf/env/appworld.yaml): the keyword arguments of `AppWorldEnvironment`, the schema and the
     only defaults of those keys."""
 
-    python: str | None = None  # the AppWorld venv's python (`make appworld`); null = $CANOPY_APPWORLD_PYTHON, else
-    # .venv-appworld/bin/python
-    root: str | None = None  # holds data/ (`appworld download data`); null = $APPWORLD_ROOT. experiments/outputs/ is
-    # written below it
+    python: str | None = None  # the AppWorld venv's python (`make appworld`; conf/env/appworld.yaml: from
+    # $CANOPY_APPWORLD_PYTHON, else .venv-appworld/bin/python)
+    root: str | None = None  # holds data/ (`appworld download data`; conf/env/appworld.yaml: $APPWORLD_ROOT);
+    # experiments/outputs/ is written below it
     cell_timeout_s: int = 100  # AppWorld's per-cell timeout: the agent's infinite loop becomes an error observation
     request_timeout_s: float = 60.0  # any other server request; past it the server is unresponsive (quarantine)
     start_timeout_s: float = 120.0
     max_observation_chars: int = 32768  # transport bound; budget.max_observation_tokens is the recipe's cap
-
-    def __post_init__(self):
-        self.python = self.python or os.environ.get("CANOPY_APPWORLD_PYTHON", ".venv-appworld/bin/python")
-        self.root = self.root or os.environ.get("APPWORLD_ROOT")
 
     def validate(self, pool: PoolSettings) -> None:
         """The AppWorld venv, the data root, and timeouts nested inside the pool's: one line naming the fix on the

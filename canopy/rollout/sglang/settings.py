@@ -13,26 +13,29 @@ from canopy.errors import is_int, require
 
 @dataclass
 class SGLangSettings:
-    """The `engine.sglang.*` keys (conf/train.yaml documents each)."""
+    """`engine.sglang.*` (conf/engine/sglang.yaml): the schema and the only defaults of those keys."""
 
-    python: str | None = None
-    urls: list[str] = field(default_factory=list)
-    router_url: str | None = None
-    num_servers: int = 1
+    python: str | None = None  # the SGLang venv's python, to launch servers (conf/train.yaml: $CANOPY_SGLANG_PYTHON)
+    urls: list[str] = field(default_factory=list)  # attach to running servers instead (e.g. [http://10.0.0.5:30000]);
+    # they must see model.path
+    router_url: str | None = None  # SGLang's model gateway (smg, --policy manual) for /generate, keyed by episode;
+    # control traffic still goes to each server of urls (or the launched ones)
+    num_servers: int = 1  # servers to launch on rank 0's node: ports base_port + i, GPUs base_gpu_id + i * tp_size on
     base_port: int = 30000
-    host: str = "127.0.0.1"
-    base_gpu_id: int = 0
+    host: str = "127.0.0.1"  # launched servers' bind address: 0.0.0.0 (or this node's address) to serve other machines
+    base_gpu_id: int = 0  # on GPUs: at least trainer.devices (the trainer holds GPUs 0..devices-1 of rank 0's node)
     tp_size: int = 1
-    mem_fraction: float = 0.8
-    extra_args: list[str] = field(default_factory=list)
-    weight_sync: str = "disk"
-    sync_dir: str = ".cache/sglang"
-    sync_master_addr: str = "127.0.0.1"
+    mem_fraction: float = 0.8  # --mem-fraction-static (weights + KV cache)
+    extra_args: list[str] = field(default_factory=list)  # more launch_server flags, e.g. [--dtype, bfloat16]
+    weight_sync: str = "disk"  # disk (safetensors + update_weights_from_disk) | distributed (broadcast from rank 0)
+    sync_dir: str = ".cache/sglang"  # v<version>/ weight dirs and server logs; the servers must see it
+    sync_master_addr: str = "127.0.0.1"  # distributed: rank 0's address and port for the weight-sync group
+    # (reachable by the servers: not loopback when they run elsewhere)
     sync_master_port: int = 29600
-    sync_backend: str = "nccl"
-    concurrency: int = 256
+    sync_backend: str = "nccl"  # distributed: nccl (trainer and servers on different GPUs) | gloo
+    concurrency: int = 256  # requests in flight, over all servers
     request_timeout_s: float = 3600.0
-    max_retries: int = 3
+    max_retries: int = 3  # per request; then its episode is quarantined (engine_request_failed)
     startup_timeout_s: float = 900.0
 
     def validate(self, accelerator: str, trainer_devices: int = 1) -> None:
