@@ -123,6 +123,21 @@ def test_a_dying_server_is_ejected_then_readmitted_and_no_episode_is_lost(tiny_p
     engine.close()
 
 
+def test_a_server_on_other_weights_is_ejected_and_its_samples_are_drawn_again(tiny_path, tokenizer, tmp_path, servers):
+    """A server restarted at its old address (base weights) while requests were on their way to it: each sample it
+    returns is discarded and drawn again on a server with the engine's weights (this test's dying-server sibling
+    once failed on exactly this race, with StaleSampleError)."""
+    engine = engine_for(tiny_path, tmp_path, servers, concurrency=64)
+    engine.router.health_interval_s = 0.05
+    servers[0].version = "default"  # as a restarted server reports, until re-synced
+    env = CountdownEnvironment()
+    trajectories, _ = run_episodes(engine, env, tokenizer, jobs(12, 3), BUDGET, SamplingParams())
+    assert len(trajectories) == 12 and all(t.verdict == Verdict(1, 1) for t in trajectories)
+    assert len(servers[0].bodies("/generate")) >= 1 and engine.router.counts["ejections"] == 1
+    assert engine.router.counts["readmissions"] == 0  # it never serves our weights, so it stays out
+    engine.close()
+
+
 def test_requests_failing_everywhere_quarantine_their_episodes_and_are_counted(tiny_path, tokenizer, tmp_path):
     server = FakeSGLang()
     engine = engine_for(tiny_path, tmp_path, [server], max_retries=1)

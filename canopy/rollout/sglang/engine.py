@@ -17,14 +17,10 @@ from pathlib import Path
 import torch
 
 from canopy.rollout.engine import EngineFault, Generation, SamplingParams
-from canopy.rollout.sglang.routing import Aborted, Router
+from canopy.rollout.sglang.routing import Aborted, Router, StaleSampleError
 from canopy.rollout.sglang.servers import Fleet
 from canopy.rollout.sglang.settings import SGLangSettings, serving_dtype
 from canopy.rollout.sglang.weight_sync import WeightSync, broadcast_from_trainer, init_custom_process_group
-
-
-class StaleSampleError(RuntimeError):
-    """A server returned a sample from weights other than the engine's current version (strict on-policy violated)."""
 
 
 class SGLangEngine:

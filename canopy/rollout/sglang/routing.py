@@ -22,6 +22,10 @@ class Aborted(Exception):
     """The server aborted the request (finish_reason abort): worth another try."""
 
 
+class StaleSampleError(RuntimeError):
+    """A server returned a sample from weights other than the engine's current version (strict on-policy violated)."""
+
+
 class Router:
     """Sends each /generate request of an episode to its server (or the gateway), ejecting and re-admitting servers."""
 
@@ -39,7 +43,9 @@ class Router:
 
     def generate(self, body: dict, key: str | None, parse: Callable[[dict], Generation]) -> Generation | EngineFault:
         """POST `body` to /generate on the episode's server and `parse` the reply, retrying an aborted, 5xx, timed-out
-        or refused request (on another server when there is one); a request the server rejects as invalid raises."""
+        or refused request (on another server when there is one); a request the server rejects as invalid raises. A
+        sample from other weights is discarded and its server ejected (one restarted at the same address holds the
+        base weights until re-synced); if every try gets one, no server has the engine's weights and it raises."""
         failed, error = None, None
         for attempt in range(self.settings.max_retries + 1):
             if attempt:
@@ -59,11 +65,13 @@ class Router:
                     self._eject(server)
             except Aborted as e:  # the server chose to abort (a weight sync pauses it): not a sick server
                 failed, error = server, e
-            except TRANSIENT as e:
+            except (StaleSampleError, *TRANSIENT) as e:
                 failed, error = server, e
                 self._eject(server)
             finally:
                 self._release(server)
+        if isinstance(error, StaleSampleError):
+            raise error
         return EngineFault("engine_request_failed", f"{attempt + 1} tries, last on {failed.url}: {error!r}")
 
     def forget(self, keys: Iterable[str]) -> None:
