@@ -310,13 +310,21 @@ def test_train_py_runs_its_episodes_on_the_cluster(cluster, tmp_path, warm_tiny)
     [
         (["env.ray.address=auto"], "env.pool.workers=0 .*: set env.pool.workers >= 1"),
         (["env.ray.address=auto", "env.pool.workers=2", "env.ray.nodes=0"], "env.ray.nodes=0 must be"),
-        (["env.ray.nodes=two"], "env.ray.nodes=two must be"),
         (["env.ray.address=auto", "env.pool.workers=2", "env.ray.workers_per_node=0"], "env.ray.workers_per_node"),
     ],
 )
 def test_ray_settings_fail_with_the_fix(overrides, message):
     with pytest.raises(ConfigError, match=message):
         validate(config(*overrides))
+
+
+def test_a_mistyped_ray_setting_fails_at_composition():
+    """`env.ray.*` has a schema (RaySettings): a count that is not one fails before validation, naming the key."""
+    from hydra.errors import ConfigCompositionException
+
+    with pytest.raises(ConfigCompositionException) as error:
+        config("env.ray.nodes=two")
+    assert "full_key: env.ray.nodes" in str(error.value.__cause__)
 
 
 def test_missing_ray_is_one_line_with_the_fix(monkeypatch):
