@@ -19,7 +19,7 @@ from canopy.callbacks import (
     build_callbacks,
 )
 from canopy.coverage import signal_coverage
-from canopy.datamodules.rollout import StepStats, rollout_metrics, score_groups
+from canopy.datamodules.rollout import StepStats, same_task_groups
 from canopy.envs.base import Task
 from canopy.envs.embedded import EmbeddedEnvironment
 from canopy.errors import ConfigError
@@ -118,13 +118,13 @@ def test_coverage_numbers_on_a_hand_built_batch():
     a, b, c = Task("a", 1, "s"), Task("b", 3, "s"), Task("c", 3, "s")
     trajectories = [trajectory(a, 0, True)] + [trajectory(a, i, False) for i in (1, 2, 3)]
     trajectories += [trajectory(b, i, False) for i in range(4)] + [trajectory(c, i, i == 0) for i in range(4)]
-    _, _, coverage = score_groups(trajectories, 4, "sparse")
-    metrics = {**rollout_metrics(trajectories, "sparse"), **coverage}
+    stats = StepStats.of(same_task_groups(trajectories, [4, 4, 4]), "sparse")
+    metrics = stats.metrics
     assert metrics["coverage/groups_tier1"] == 1 and metrics["coverage/groups_tier3"] == 2
     assert metrics["coverage/mixed_tier1"] == 1.0
     assert metrics["coverage/all_fail_tier3"] == 0.5 and metrics["coverage/mixed_tier3"] == 0.5
     assert metrics["coverage/all_success_tier3"] == 0.0 and metrics["coverage/group_size"] == 4
-    trainer, module, batch = step(batch_metrics=metrics, stats=StepStats.of(trajectories, 4))
+    trainer, module, batch = step(batch_metrics=metrics, stats=stats)
     CoverageLogger().on_train_batch_end(trainer, module, None, batch, 0)
     # tier 1: p = 1/4, n = 4 -> 1 - 0.25^4 - 0.75^4; tier 3: p = 1/8
     assert module.logged["coverage/psig_tier1"] == pytest.approx(1 - 0.25**4 - 0.75**4) == pytest.approx(0.6796875)

@@ -3,7 +3,15 @@ import math
 import pytest
 import torch
 
-from canopy.datamodules.rollout import AdaptiveGroups, RolloutDataModule, StepStats, pack, score_groups
+from canopy.datamodules.rollout import (
+    AdaptiveGroups,
+    Group,
+    RolloutDataModule,
+    StepStats,
+    pack,
+    same_task_groups,
+    score_groups,
+)
 from canopy.envs.base import Task, Verdict
 from canopy.envs.embedded import EmbeddedEnvironment
 from canopy.rollout.agent_loop import Budget, Trajectory
@@ -43,23 +51,25 @@ def test_score_groups_quarantines_before_advantages():
         trajectory(b, 2, False),
         trajectory(b, 3, False),
     ]
-    survivors, advantages, stats = score_groups(trajectories, 4, "sparse")
+    groups = same_task_groups(trajectories, [4, 4])
+    survivors, advantages = score_groups(groups, "sparse")
+    stats = StepStats.of(groups, "sparse").metrics
     assert len(survivors) == 7 and all(t.quarantine is None for t in survivors)
     assert advantages[0].item() == pytest.approx(math.sqrt(2))  # lone success among the 3 survivors
     assert advantages[3:].abs().sum().item() == 0.0  # the all-fail group carries no signal
     assert stats["coverage/mixed"] == 0.5 and stats["coverage/all_fail"] == 0.5
     assert stats["coverage/mixed_tier1"] == 1.0 and stats["coverage/mixed_tier3"] == 0.0
     # the sensitivity ablation scores the quarantined episode 0 instead: the group has 4 members again
-    _, as_failure, _ = score_groups(trajectories, 4, "sparse", quarantine_as_failure=True)
+    _, as_failure = score_groups(groups, "sparse", quarantine_as_failure=True)
     assert as_failure[0].item() == pytest.approx(math.sqrt(3))
 
 
 def test_score_groups_refuses_a_lost_episode():
     a = Task("a", 1, "s")
     with pytest.raises(RuntimeError, match="lost"):
-        score_groups([trajectory(a, i, True) for i in range(3)], 4, "sparse")
+        same_task_groups([trajectory(a, i, True) for i in range(3)], [4])
     with pytest.raises(RuntimeError, match="same-task"):
-        score_groups([trajectory(a, 0, True), trajectory(Task("b", 1, "s"), 1, True)], 2, "sparse")
+        same_task_groups([trajectory(a, 0, True), trajectory(Task("b", 1, "s"), 1, True)], [2])
 
 
 def test_groups_of_different_sizes_each_get_their_own_eq3():
@@ -69,7 +79,9 @@ def test_groups_of_different_sizes_each_get_their_own_eq3():
     trajectories = [trajectory(a, 0, True)] + [trajectory(a, i, False) for i in range(1, 6)]
     trajectories += [trajectory(b, 0, True), trajectory(b, 1, False)]
     trajectories += [trajectory(c, 0, False), trajectory(c, 1, quarantine="worker_dead"), trajectory(c, 2, True)]
-    survivors, advantages, stats = score_groups(trajectories, [6, 2, 3], "sparse")
+    groups = same_task_groups(trajectories, [6, 2, 3])
+    survivors, advantages = score_groups(groups, "sparse")
+    stats = StepStats.of(groups, "sparse").metrics
     assert len(survivors) == 10
     expected = []
     for group in ([1.0, 0, 0, 0, 0, 0], [1.0, 0.0], [0.0, 1.0]):
@@ -77,10 +89,10 @@ def test_groups_of_different_sizes_each_get_their_own_eq3():
     assert advantages.tolist() == pytest.approx(expected)
     assert advantages[0].item() == pytest.approx(math.sqrt(5))  # a lone success among 6 (Appendix B)
     assert stats["coverage/group_size_tier3"] == 6 and stats["coverage/group_size_tier2"] == 3
-    step = StepStats.of(trajectories, [6, 2, 3])
+    step = StepStats.of(groups, "sparse")
     assert step.scored_sizes_by_tier == {1: [2], 2: [2], 3: [6]} and step.groups_by_tier == {1: 1, 2: 1, 3: 1}
     with pytest.raises(RuntimeError, match="11 episodes for groups of 10 rollouts in all"):
-        score_groups(trajectories, [6, 2, 2], "sparse")
+        same_task_groups(trajectories, [6, 2, 2])
 
 
 def test_adaptive_groups_give_the_starved_task_more_under_a_fixed_budget(tokenizer):
@@ -91,8 +103,13 @@ def test_adaptive_groups_give_the_starved_task_more_under_a_fixed_budget(tokeniz
     tasks = dm.sample_tasks()
     assert groups.sizes(tasks) == [8, 8, 8]
     hard, easy, middling = tasks
-    groups.observe([[trajectory(hard, i, False) for i in range(8)], [trajectory(easy, i, True) for i in range(8)]])
-    groups.observe([[trajectory(middling, i, i < 4) for i in range(8)]])
+    groups.observe(
+        [
+            Group(hard, [trajectory(hard, i, False) for i in range(8)]),
+            Group(easy, [trajectory(easy, i, True) for i in range(8)]),
+        ]
+    )
+    groups.observe([Group(middling, [trajectory(middling, i, i < 4) for i in range(8)])])
     sizes = groups.sizes(tasks)
     assert sum(sizes) == 24 and sizes[0] == max(sizes) and sizes[1] == 2 and sizes[0] > sizes[2] > sizes[1]
     batch = dm.next_batch()  # a whole step: its episodes number the budget, each group its own allotment
@@ -201,7 +218,7 @@ def test_step_stats_are_what_the_callbacks_read():
     a, b = Task("a", 1, "s"), Task("b", 3, "s")
     trajectories = [trajectory(a, 0, True), trajectory(a, 1, False), trajectory(a, 2, quarantine="worker_killed")]
     trajectories += [trajectory(a, 3, True)] + [trajectory(b, i, False) for i in range(4)]
-    stats = StepStats.of(trajectories, 4)
+    stats = StepStats.of(same_task_groups(trajectories, [4, 4]), "sparse")
     assert (stats.episodes, stats.quarantined) == (8, {"worker_killed": 1})
     assert stats.success_by_tier == {1: 2 / 3, 3: 0.0} and stats.groups_by_tier == {1: 1, 3: 1}
     assert stats.scored_per_group == 3.5

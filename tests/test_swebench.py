@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from canopy.datamodules.rollout import rollout_metrics
+from canopy.datamodules.rollout import StepStats, same_task_groups
 from canopy.envs.base import EnvironmentFault, Task
 from canopy.envs.isolation import RuntimeSettings, SandboxError, build_runtime, safe_image_name
 from canopy.envs.isolation.cgroups import cgroups_usable
@@ -248,7 +248,7 @@ def test_every_reward_observation_and_quarantine_through_the_pool(generated):
         assert by_key[reason].quarantine == reason, (reason, by_key[reason].fault)
     tamper = by_key["tamper"].verdict
     assert (tamper.outcome, tamper.tamper, tamper.tampered) == ("unresolved", "restored", ("conftest.py",))
-    metrics = rollout_metrics(trajectories, "sparse")
+    metrics = StepStats.of(same_task_groups(trajectories, [1] * len(trajectories)), "sparse").metrics
     assert metrics["outcome/tamper_restored"] == 1 and metrics["outcome/unresolved"] == 2
     assert not Path("/usr/canopy-escape").exists() and not Path("/etc/canopy-escape").exists()
 

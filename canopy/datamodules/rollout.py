@@ -1,9 +1,10 @@
 """RolloutDataModule: one fresh, on-policy batch per optimizer step.
 
-tasks (pool, tiers) -> n rollouts per task -> verdicts -> quarantine (drop exogenous faults) -> rewards ->
-group advantages (Eq. 3, population std) -> padded batch. Generation happens when the trainer asks for the
-batch, after the previous step's weights reached the engine; every sampled token carries the weight version
-that sampled it, which the module checks against its own before it learns from the batch.
+tasks (pool, tiers) -> n rollouts per task -> its `Group` of episodes -> verdicts -> quarantine (drop exogenous
+faults) -> rewards -> group advantages (Eq. 3, population std) -> padded batch, and the step's `StepStats`, gathered
+in one walk over the groups, for the logs and the callbacks. Generation happens when the trainer asks for the batch,
+after the previous step's weights reached the engine; every sampled token carries the weight version that sampled it,
+which the module checks against its own before it learns from the batch.
 """
 
 import functools
@@ -26,42 +27,39 @@ from canopy.rollout.engine import EngineHandle, SamplingParams
 from canopy.rollout.faults import check_systemic_faults
 from canopy.rollout_batch import RolloutBatch
 
-
-def score_groups(
-    trajectories: list[Trajectory], group_sizes: int | list[int], reward_kind: str, quarantine_as_failure: bool = False
-) -> tuple[list[Trajectory], torch.Tensor, dict[str, float]]:
-    """Quarantine, then reward, then Eq. 3 (`step_advantages`) over the step's groups of consecutive same-task
-    episodes (`group_sizes`: one n for all, or each group's). Returns the survivors, their advantages and,
-    computed beside them, the groups' composition (`coverage_metrics`).
-
-    With `quarantine_as_failure` (the sensitivity ablation of Appendix G) quarantined episodes are scored 0
-    instead of removed; they carry no tokens either way, since their trajectory is not the policy's doing.
-    """
-    groups = same_task_groups(trajectories, group_sizes)
-    shape = (len(groups), max(len(group) for group in groups))
-    present, quarantined, rewards = (
-        torch.zeros(shape, dtype=torch.bool),
-        torch.zeros(shape, dtype=torch.bool),
-        torch.zeros(shape),
-    )
-    for g, group in enumerate(groups):
-        present[g, : len(group)] = True
-        quarantined[g, : len(group)] = torch.tensor([t.quarantine is not None for t in group])
-        rewards[g, : len(group)] = torch.tensor([0.0 if t.quarantine else t.reward(reward_kind) for t in group])
-    advantages = step_advantages(rewards, quarantined, quarantine_as_failure, present)
-    survivors = [t for t in trajectories if t.quarantine is None]
-    return survivors, advantages[present & ~quarantined], coverage_metrics(groups)
+COMPOSITIONS = ("all_fail", "all_success", "mixed")  # Fig. 3
 
 
-def same_task_groups(trajectories: list[Trajectory], group_sizes: int | list[int]) -> list[list[Trajectory]]:
-    """The step's groups: consecutive episodes of one task each, `group_sizes` of them (one n for all, or each
-    group's). A lost episode, or a group that mixes tasks, is an error, never a silent drop."""
-    if isinstance(group_sizes, int):
-        if len(trajectories) % group_sizes:
-            raise RuntimeError(
-                f"{len(trajectories)} episodes do not form whole groups of {group_sizes}: an episode was lost"
-            )
-        group_sizes = [group_sizes] * (len(trajectories) // group_sizes)
+@dataclass(frozen=True)
+class Group:
+    """One task's rollouts of a step, in sampling order: Eq. 3 standardizes within it, Eq. 5 sizes it."""
+
+    task: Task
+    trajectories: list[Trajectory]
+
+    @property
+    def size(self) -> int:
+        """The rollouts sampled, quarantined ones included."""
+        return len(self.trajectories)
+
+    @functools.cached_property
+    def scored(self) -> list[Trajectory]:
+        """The episodes left after quarantine (Appendix G): their number is Eq. 4's n."""
+        return [t for t in self.trajectories if t.quarantine is None]
+
+    @functools.cached_property
+    def successes(self) -> int:
+        return sum(t.verdict is not None and t.verdict.success for t in self.scored)
+
+    @property
+    def composition(self) -> str:
+        """all_fail / all_success / mixed over the scored episodes (Fig. 3); `empty` if all were quarantined."""
+        return group_composition(self.successes, len(self.scored)) if self.scored else "empty"
+
+
+def same_task_groups(trajectories: list[Trajectory], group_sizes: list[int]) -> list[Group]:
+    """The step's groups, built once after generation: consecutive episodes of one task each, `group_sizes` of them.
+    A lost episode, or a group that mixes tasks, is an error, never a silent drop."""
     if len(trajectories) != sum(group_sizes):
         raise RuntimeError(
             f"{len(trajectories)} episodes for groups of {sum(group_sizes)} rollouts in all: an episode was lost"
@@ -73,38 +71,39 @@ def same_task_groups(trajectories: list[Trajectory], group_sizes: int | list[int
             raise RuntimeError(
                 f"a group mixes tasks {sorted({t.task.task_id for t in group})}: groups must be same-task"
             )
-    return groups
+    return [Group(group[0].task, group) for group in groups]
 
 
-def composition(group: list[Trajectory]) -> str:
-    """all_fail / all_success / mixed over the group's scored episodes (Fig. 3); `empty` if all were quarantined."""
-    successes = [t.verdict is not None and t.verdict.success for t in group if t.quarantine is None]
-    return group_composition(sum(successes), len(successes)) if successes else "empty"
+def score_groups(
+    groups: list[Group], reward_kind: str, quarantine_as_failure: bool = False
+) -> tuple[list[Trajectory], torch.Tensor]:
+    """Quarantine, then reward, then Eq. 3 (`step_advantages`) over the step's groups, padded to the largest.
+    Returns the survivors, in order, and their advantages.
 
-
-def coverage_metrics(groups: list[list[Trajectory]]) -> dict[str, float]:
-    """The fraction of groups of each composition, overall and per tier (`coverage/<kind>[_tier<K>]`), the groups
-    per tier and the scored rollouts per group (`coverage/group_size`, Eq. 4's n after quarantine)."""
-    compositions, by_tier = Counter(), defaultdict(Counter)
-    for group in groups:
-        kind = composition(group)
-        compositions[kind] += 1
-        by_tier[group[0].task.tier][kind] += 1
-    n_groups = max(1, len(groups))
-    stats = {f"coverage/{kind}": compositions[kind] / n_groups for kind in ("all_fail", "all_success", "mixed")}
-    stats["coverage/group_size"] = sum(t.quarantine is None for group in groups for t in group) / n_groups
-    for tier, counter in sorted(by_tier.items()):
-        stats[f"coverage/groups_tier{tier}"] = sum(counter.values())
-        tier_groups = [group for group in groups if group[0].task.tier == tier]
-        stats[f"coverage/group_size_tier{tier}"] = sum(len(group) for group in tier_groups) / len(tier_groups)
-        for kind in ("all_fail", "all_success", "mixed"):
-            stats[f"coverage/{kind}_tier{tier}"] = counter[kind] / max(1, sum(counter.values()))
-    return stats
+    With `quarantine_as_failure` (the sensitivity ablation of Appendix G) quarantined episodes are scored 0
+    instead of removed; they carry no tokens either way, since their trajectory is not the policy's doing.
+    """
+    shape = (len(groups), max(group.size for group in groups))
+    present, quarantined, rewards = (
+        torch.zeros(shape, dtype=torch.bool),
+        torch.zeros(shape, dtype=torch.bool),
+        torch.zeros(shape),
+    )
+    for g, group in enumerate(groups):
+        present[g, : group.size] = True
+        quarantined[g, : group.size] = torch.tensor([t.quarantine is not None for t in group.trajectories])
+        rewards[g, : group.size] = torch.tensor(
+            [0.0 if t.quarantine else t.reward(reward_kind) for t in group.trajectories]
+        )
+    advantages = step_advantages(rewards, quarantined, quarantine_as_failure, present)
+    survivors = [t for group in groups for t in group.scored]
+    return survivors, advantages[present & ~quarantined]
 
 
 @dataclass
 class StepStats:
-    """A rollout step's statistics as the callbacks read them (the logs get `RolloutBatch.metrics`)."""
+    """A rollout step's statistics, gathered in one walk over its groups (`of`): `metrics` is what the logs get,
+    the fields what the callbacks read (`QuarantineStats`, `CoverageLogger`)."""
 
     episodes: int
     quarantined: dict[str, int] = field(default_factory=dict)  # quarantined episodes by fault reason (Appendix G)
@@ -112,24 +111,73 @@ class StepStats:
     groups_by_tier: dict[int, int] = field(default_factory=dict)
     scored_per_group: float = 0.0  # rollouts left per group after quarantine: Eq. 4's n
     scored_sizes_by_tier: dict[int, list[int]] = field(default_factory=dict)  # each group's n, by tier
+    metrics: dict[str, float] = field(default_factory=dict)  # rollout/ quarantine/ reward/ success/ ... coverage/
 
     @classmethod
-    def of(cls, trajectories: list[Trajectory], group_sizes: int | list[int]) -> "StepStats":
-        scored = [t for t in trajectories if t.quarantine is None]
-        outcomes: dict[int, list[bool]] = defaultdict(list)
-        for t in scored:
-            outcomes[t.task.tier].append(t.verdict is not None and t.verdict.success)
-        groups = same_task_groups(trajectories, group_sizes)
-        sizes: dict[int, list[int]] = defaultdict(list)
+    def of(cls, groups: list[Group], reward_kind: str) -> "StepStats":
+        """Per episode: rewards, lengths, turns, truncation, endings and the quarantine reasons; per group (Fig. 3):
+        its tier, scored n, successes and composition (`coverage/<kind>[_tier<K>]`, `coverage/group_size[_tier<K>]`).
+        """
+        quarantined, endings, outcomes, tampers = Counter(), Counter(), Counter(), Counter()
+        rewards, response_tokens, turns, truncated = [], 0, 0, 0
+        by_tier: dict[int, list[Group]] = defaultdict(list)
         for group in groups:
-            sizes[group[0].task.tier].append(sum(t.quarantine is None for t in group))
+            by_tier[group.task.tier].append(group)
+            for t in group.trajectories:
+                if t.quarantine is not None:
+                    quarantined[t.quarantine] += 1
+                    continue
+                rewards.append(t.reward(reward_kind))
+                response_tokens += t.response_tokens
+                turns += t.num_turns
+                truncated += t.truncated
+                endings[t.ending] += 1
+                if t.verdict and t.verdict.outcome:
+                    outcomes[t.verdict.outcome] += 1  # an environment's named endings (SWE-bench: resolved, ...)
+                if t.verdict and t.verdict.tamper:
+                    tampers[t.verdict.tamper] += 1  # graded after restoring what the patch tampered with, or rejected
+        by_tier = dict(sorted(by_tier.items()))
+        episodes, scored = sum(group.size for group in groups), len(rewards)
+        scored_by_tier = {
+            tier: sum(len(group.scored) for group in tier_groups) for tier, tier_groups in by_tier.items()
+        }
+        success_by_tier = {
+            tier: sum(group.successes for group in tier_groups) / scored_by_tier[tier]
+            for tier, tier_groups in by_tier.items()
+            if scored_by_tier[tier]
+        }
+
+        metrics: dict[str, float] = {"rollout/episodes": episodes, "rollout/quarantined": episodes - scored}
+        metrics.update({f"quarantine/{reason}": count for reason, count in quarantined.items()})
+        if scored:
+            metrics["reward/mean"] = sum(rewards) / scored
+            metrics["reward/success"] = sum(group.successes for group in groups) / scored
+            metrics.update({f"success/tier{tier}": rate for tier, rate in success_by_tier.items()})
+            metrics["rollout/response_length"] = response_tokens / scored
+            metrics["rollout/turns"] = turns / scored
+            metrics["rollout/truncated_frac"] = truncated / scored
+            metrics.update({f"ending/{ending}": count / scored for ending, count in endings.items()})
+            metrics.update({f"outcome/{outcome}": count for outcome, count in outcomes.items()})
+            metrics.update({f"outcome/tamper_{action}": count for action, count in tampers.items()})
+        n_groups = max(1, len(groups))
+        compositions = Counter(group.composition for group in groups)
+        metrics.update({f"coverage/{kind}": compositions[kind] / n_groups for kind in COMPOSITIONS})
+        metrics["coverage/group_size"] = scored / n_groups
+        for tier, tier_groups in by_tier.items():
+            metrics[f"coverage/groups_tier{tier}"] = len(tier_groups)
+            metrics[f"coverage/group_size_tier{tier}"] = sum(group.size for group in tier_groups) / len(tier_groups)
+            kinds = Counter(group.composition for group in tier_groups)
+            metrics.update({f"coverage/{kind}_tier{tier}": kinds[kind] / len(tier_groups) for kind in COMPOSITIONS})
         return cls(
-            episodes=len(trajectories),
-            quarantined=dict(Counter(t.quarantine for t in trajectories if t.quarantine is not None)),
-            success_by_tier={tier: sum(v) / len(v) for tier, v in sorted(outcomes.items())},
-            groups_by_tier={tier: len(v) for tier, v in sorted(sizes.items())},
-            scored_per_group=len(scored) / max(1, len(groups)),
-            scored_sizes_by_tier=dict(sorted(sizes.items())),
+            episodes=episodes,
+            quarantined=dict(quarantined),
+            success_by_tier=success_by_tier,
+            groups_by_tier={tier: len(tier_groups) for tier, tier_groups in by_tier.items()},
+            scored_per_group=scored / n_groups,
+            scored_sizes_by_tier={
+                tier: [len(group.scored) for group in tier_groups] for tier, tier_groups in by_tier.items()
+            },
+            metrics=metrics,
         )
 
 
@@ -147,12 +195,10 @@ class AdaptiveGroups:
         wanted = [group_size_for_coverage(self.estimates.rate(t.task_id, t.tier), self.tau) for t in tasks]
         return allocate_rollouts(wanted, self.rollouts_per_step, self.floor, self.cap)
 
-    def observe(self, groups: list[list[Trajectory]]) -> None:
+    def observe(self, groups: list[Group]) -> None:
         """Each group's scored outcomes (quarantined episodes left out) update its task's estimate."""
         for group in groups:
-            scored = [t for t in group if t.quarantine is None]
-            successes = sum(t.verdict is not None and t.verdict.success for t in scored)
-            self.estimates.observe(group[0].task.task_id, group[0].task.tier, successes, len(scored))
+            self.estimates.observe(group.task.task_id, group.task.tier, group.successes, len(group.scored))
 
 
 def pack(trajectories: list[Trajectory], advantages: torch.Tensor, pad_token_id: int) -> RolloutBatch:
@@ -168,37 +214,6 @@ def pack(trajectories: list[Trajectory], advantages: torch.Tensor, pad_token_id:
         engine_logprobs[row, : len(t.token_ids)] = torch.tensor(t.engine_logprobs)
         token_versions[row, : len(t.token_ids)] = torch.tensor(t.token_versions, dtype=torch.long)
     return RolloutBatch(input_ids, action_mask, engine_logprobs, token_versions, advantages, lengths, {})
-
-
-def rollout_metrics(trajectories: list[Trajectory], reward_kind: str) -> dict[str, float]:
-    """Per-step rollout statistics: rewards, success by tier, lengths, turns, truncation, endings."""
-    scored = [t for t in trajectories if t.quarantine is None]
-    metrics: dict[str, float] = {
-        "rollout/episodes": len(trajectories),
-        "rollout/quarantined": len(trajectories) - len(scored),
-    }
-    for reason, count in Counter(t.quarantine for t in trajectories if t.quarantine).items():
-        metrics[f"quarantine/{reason}"] = count
-    if not scored:
-        return metrics
-    success = [float(t.verdict is not None and t.verdict.success) for t in scored]
-    metrics["reward/mean"] = sum(t.reward(reward_kind) for t in scored) / len(scored)
-    metrics["reward/success"] = sum(success) / len(scored)
-    by_tier: dict[int, list[float]] = defaultdict(list)
-    for t, s in zip(scored, success):
-        by_tier[t.task.tier].append(s)
-    for tier, values in sorted(by_tier.items()):
-        metrics[f"success/tier{tier}"] = sum(values) / len(values)
-    metrics["rollout/response_length"] = sum(t.response_tokens for t in scored) / len(scored)
-    metrics["rollout/turns"] = sum(t.num_turns for t in scored) / len(scored)
-    metrics["rollout/truncated_frac"] = sum(t.truncated for t in scored) / len(scored)
-    for ending, count in Counter(t.ending for t in scored).items():
-        metrics[f"ending/{ending}"] = count / len(scored)
-    for outcome, count in Counter(t.verdict.outcome for t in scored if t.verdict and t.verdict.outcome).items():
-        metrics[f"outcome/{outcome}"] = count  # named endings of an environment (SWE-bench: resolved, no_submission...)
-    for action, count in Counter(t.verdict.tamper for t in scored if t.verdict and t.verdict.tamper).items():
-        metrics[f"outcome/tamper_{action}"] = count  # graded after restoring what the patch tampered with, or rejected
-    return metrics
 
 
 class RolloutStream:
@@ -421,19 +436,20 @@ class RolloutDataModule(L.LightningDataModule):
             getattr(self.env, "max_concurrent_episodes", None),
             f"rollout step {self.step}",
         )
-        survivors, advantages, coverage = score_groups(trajectories, sizes, self.reward, self.quarantine_as_failure)
+        groups = same_task_groups(trajectories, sizes)
+        survivors, advantages = score_groups(groups, self.reward, self.quarantine_as_failure)
+        stats = StepStats.of(groups, self.reward)
         if adaptive:
-            self.group_size.observe(same_task_groups(trajectories, sizes))
+            self.group_size.observe(groups)
         if self.trajectory_log is not None:
             advantage_of = {id(t): a for t, a in zip(survivors, advantages.tolist())}
-            self.trajectory_log.log_step("train", self.step, same_task_groups(trajectories, sizes), advantage_of)
+            self.trajectory_log.log_step("train", self.step, [group.trajectories for group in groups], advantage_of)
         if not survivors:
             raise RuntimeError(
                 f"rollout step {self.step}: every episode was quarantined; check the environment workers"
             )
         batch = pack(survivors, advantages, self.tokenizer.pad_token_id)
-        batch.metrics = {**rollout_metrics(trajectories, self.reward), **coverage}
-        batch.stats = StepStats.of(trajectories, sizes)
+        batch.metrics, batch.stats = dict(stats.metrics), stats
         batch.metrics.update({f"time/{k}": v for k, v in timings.items()})
         counts = Counter(getattr(self.engine, "counters", {}))
         batch.metrics.update({f"engine/{k}": counts[k] - counted[k] for k in counts})
