@@ -23,7 +23,7 @@ import time
 import torch
 
 from canopy.memory import logprob_head_bytes
-from canopy.modules.logprob_head import chunked_token_logprobs, token_logprobs
+from canopy.models.logprob_head import chunked_token_logprobs, token_logprobs
 from canopy.tools.memory_measure import measure
 
 GIB = 2**30

@@ -13,6 +13,7 @@ from canopy.envs.pool import EnvironmentPool, PoolSettings
 from canopy.envs.worker import build_environment
 from canopy.errors import ConfigError
 from canopy.mismatch import RolloutCorrection
+from canopy.models import get_family
 from canopy.modules.canopy_module import CanopyModule
 from canopy.rollout.agent_loop import Budget, ChatTokenizer
 from canopy.rollout.engine import EngineHandle, LocalEngine, SamplingParams
@@ -53,7 +54,7 @@ def build_env(cfg: DictConfig, log_dir: str | Path | None = None):
 
 
 def build_engine(cfg: DictConfig, model_path: str, tokenizer):
-    stop = [tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.convert_tokens_to_ids("<|endoftext|>")]
+    stop = [tokenizer.convert_tokens_to_ids(token) for token in get_family(cfg.model.family).chat.stop]
     rope_scaling = cfg.budget.rope_scaling and OmegaConf.to_container(cfg.budget.rope_scaling)
     if cfg.engine.name == "local":
         return LocalEngine(
@@ -80,9 +81,10 @@ def build_engine(cfg: DictConfig, model_path: str, tokenizer):
 
 
 def build_tokenizer(cfg: DictConfig, model_path: str) -> ChatTokenizer:
-    """The checkpoint's tokenizer, its chat template applied with `model.chat_template_kwargs`."""
+    """The checkpoint's tokenizer, its chat template applied with `model.chat_template_kwargs`, with its model
+    family's chat markers."""
     kwargs = OmegaConf.to_container(cfg.model.chat_template_kwargs) if cfg.model.get("chat_template_kwargs") else {}
-    return ChatTokenizer(AutoTokenizer.from_pretrained(model_path), **kwargs)
+    return ChatTokenizer(AutoTokenizer.from_pretrained(model_path), get_family(cfg.model.family).chat, **kwargs)
 
 
 def build_trajectory_log(cfg: DictConfig, tokenizer, model_path: str, root: str | Path) -> TrajectoryLog | None:

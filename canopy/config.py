@@ -187,7 +187,7 @@ def validate(cfg: DictConfig) -> None:
     )
     from canopy.envs import environment_kwargs, environment_module  # each component checks its own keys
     from canopy.envs.pool import check_serving
-    from canopy.modules.policy import MODEL_FAMILIES
+    from canopy.models import MODEL_FAMILIES, family_of
 
     environment_module(cfg.env.name)
     check_serving(cfg.env)
@@ -212,10 +212,9 @@ def validate(cfg: DictConfig) -> None:
         f"model.family={cfg.model.family!r} has no model in this build yet: use one of {', '.join(MODEL_FAMILIES)}",
     )
     if cfg.model.path is not None:
-        from canopy.modules.policy import model_family
-
         hf = json.loads((Path(cfg.model.path) / "config.json").read_text())
-        declared, found = hf.get("model_type"), model_family(hf)
+        family = family_of(hf)
+        declared, found = hf.get("model_type"), family.name if family is not None else None
         require(
             found == cfg.model.family,
             f"model.family={cfg.model.family} but model.path '{cfg.model.path}' holds model_type={declared!r}"

@@ -28,6 +28,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from canopy.errors import ConfigError
+from canopy.models import MODEL_FAMILIES
 
 GIB = 1 << 30
 GPUS = {"A100-80GB": 80.0, "H100-80GB": 79.6, "H200-141GB": 140.4}  # GiB, the total nvidia-smi reports
@@ -457,7 +458,9 @@ def _kernel_stand_ins(device: str, keep_attention_outputs):
     with ExitStack() as stack:
         stack.enter_context(mock.patch.object(ScaledDotProductAttention, "forward", attention))
         if device == "cuda":
-            stack.enter_context(mock.patch("canopy.modules.qwen3_5.chunk_gated_delta_rule", _fla_gated_delta))
+            for spec in MODEL_FAMILIES.values():
+                if spec.gated_delta_rule is not None:
+                    stack.enter_context(mock.patch(spec.gated_delta_rule, _fla_gated_delta))
         yield
 
 

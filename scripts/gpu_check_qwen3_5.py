@@ -1,10 +1,10 @@
 """GPU check of the Qwen3.5 pieces (issue 13): flash-linear-attention's Triton kernels against Canopy's pure-torch
 Gated DeltaNet, and the Qwen3.5 policy's training step.
 
-(a) kernels: fla's `chunk_gated_delta_rule` and `causal_conv1d` against `canopy.modules.gated_delta` on random
+(a) kernels: fla's `chunk_gated_delta_rule` and `causal_conv1d` against `canopy.models.qwen3_5.gated_delta` on random
     inputs, forward and backward, in float32 and bfloat16; prints the largest relative differences and the time of
     each (fla / torch).
-(b) policy: a random Qwen3.5 (`canopy.modules.qwen3_5`): its logits on the GPU (fla's kernels, each row a document
+(b) policy: a random Qwen3.5 (`canopy.models.qwen3_5`): its logits on the GPU (fla's kernels, each row a document
     of TorchTitan's folded stream) against the same policy on CPU (the torch kernels, row by row), in float32; then
     forward + backward in bf16 autocast: step time, tokens/s and MFU (TorchTitan's FLOPs per token; H200 bf16
     dense peak 989 TFLOP/s). The dry run has no second device to compare with and only times the step.
@@ -28,7 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from canopy.modules.gated_delta import causal_conv1d, chunk_gated_delta_rule  # noqa: E402
+from canopy.models.qwen3_5.gated_delta import causal_conv1d, chunk_gated_delta_rule  # noqa: E402
 
 H200_BF16_PEAK = 989e12
 TOLERANCE = {torch.float32: 2e-3, torch.bfloat16: 5e-2}  # largest |diff| / largest |reference|

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from canopy.modules.logprob_head import ChunkedLogprobs, token_logprobs
+from canopy.models.logprob_head import ChunkedLogprobs, token_logprobs
 from canopy.modules.logprobs import model_token_logprobs
 from canopy.modules.parallel import ParallelSettings, build_parallel_policy, data_parallel_rank, gather_on_rank0
 from canopy.modules.policy import export_hf_state_dict, iter_hf_weights, load_policy, unwrap

@@ -1,11 +1,11 @@
-"""The pure-torch Gated DeltaNet kernels (canopy/modules/gated_delta.py) against transformers' Qwen3.5 torch
+"""The pure-torch Gated DeltaNet kernels (canopy/models/qwen3_5/gated_delta.py) against transformers' Qwen3.5 torch
 implementation: outputs, final states and gradients, whole, chunked across boundaries, and per document."""
 
 import pytest
 import torch
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 
-from canopy.modules.gated_delta import causal_conv1d, chunk_gated_delta_rule
+from canopy.models.qwen3_5.gated_delta import causal_conv1d, chunk_gated_delta_rule
 
 # transformers' own torch code, not the fla kernels it dispatches to once fla is installed (they need a GPU)
 torch_chunk_gated_delta_rule = hf.torch_chunk_gated_delta_rule.__wrapped__

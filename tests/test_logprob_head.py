@@ -1,4 +1,4 @@
-"""The chunked logprob head (`canopy.modules.logprob_head`) against the unchunked path it replaces: values,
+"""The chunked logprob head (`canopy.models.logprob_head`) against the unchunked path it replaces: values,
 entropies and gradients equal in float32 (1e-6), for any chunk size, on raw tensors and through the policy; in
 float64 its backward passes gradcheck. TP and CP: tests/test_parallel.py and tests/test_context_parallel.py run the
 chunked head on vocabulary-sharded weights and on each CP rank's positions against one process."""
@@ -6,7 +6,7 @@ chunked head on vocabulary-sharded weights and on each CP rank's positions again
 import pytest
 import torch
 
-from canopy.modules.logprob_head import chunked_token_logprobs, token_logprobs
+from canopy.models.logprob_head import chunked_token_logprobs, token_logprobs
 from canopy.modules.logprobs import model_token_logprobs
 from canopy.modules.policy import load_policy
 

@@ -268,7 +268,7 @@ def test_policy_only_state_dict_round_trips_strictly(tiny_path, tokenizer):
 
 @pytest.mark.parametrize("mode", ["full", "selective"])
 def test_activation_checkpointing_leaves_gradients_unchanged(tiny_path, mode):
-    from canopy.modules.logprob_head import token_logprobs
+    from canopy.models.logprob_head import token_logprobs
     from canopy.modules.parallel import apply_activation_checkpointing
 
     ids = torch.randint(0, 40, (2, 16), generator=torch.Generator().manual_seed(0))

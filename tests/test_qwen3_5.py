@@ -1,4 +1,4 @@
-"""The Qwen3.5 policy (canopy/modules/qwen3_5.py) on a tiny random checkpoint built here: logits equal HF
+"""The Qwen3.5 policy (canopy/models/qwen3_5/model.py) on a tiny random checkpoint built here: logits equal HF
 `Qwen3_5ForCausalLM`'s, the HF -> policy -> HF round trip is exact, a multimodal checkpoint's vision tower is carried
 through export unchanged, and a training step moves the loss."""
 
@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import Qwen3_5ForCausalLM
 
-from canopy.modules.gated_delta import transformers_on_torch_kernels
+from canopy.models.qwen3_5.gated_delta import transformers_on_torch_kernels
 from canopy.modules.policy import export_hf_state_dict, load_policy, read_hf_weights
 from canopy.tools.tiny_model import build_tiny_checkpoint
 

@@ -1,7 +1,7 @@
 """The trainer's log-probabilities of the sampled tokens (pi_theta and pi_ref of Eqs. 6-8), kept apart from the
 step that uses them: per-position alignment of a rollout batch (with the context-parallel split), and each
 position's target log-probability and entropy at the sampling temperature from a model whose head is a
-`LogprobHead` (`canopy.modules.logprob_head`: chunked over tokens, vocabulary-sharded under TP)."""
+`LogprobHead` (`canopy.models.logprob_head`: chunked over tokens, vocabulary-sharded under TP)."""
 
 import torch
 from torchtitan.distributed.context_parallel import cp_shard

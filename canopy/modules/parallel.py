@@ -6,9 +6,10 @@ distinct rows; "cp" = the context-parallel ranks of one shard, which hold distin
 "loss" = batch x cp, every rank holding distinct tokens, over which the gradients are summed (FSDP's reduce-scatter
 over dp_shard x cp, then HSDP's all-reduce over dp_replicate); TP ranks hold the same tokens.
 
-The model is built on the meta device, parallelized by TorchTitan's own `parallelize_qwen3`, then filled from
-the HF checkpoint one tensor at a time: each rank memory-maps the safetensors, converts one HF tensor to its
-TorchTitan name and keeps only its own shard of it, so no rank ever materializes the whole model.
+The model is built on the meta device, parallelized by its family's TorchTitan function (`ModelSpec.parallelize`,
+e.g. `parallelize_qwen3`), then filled from the HF checkpoint a tensor (or a decoder layer) at a time: each rank
+memory-maps the safetensors, converts HF tensors to their TorchTitan names and keeps only its own shard of them, so
+no rank ever materializes the whole model.
 """
 
 from dataclasses import dataclass
@@ -17,13 +18,12 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from safetensors import safe_open
-from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Shard
 
 from canopy.errors import ConfigError
-from canopy.modules.policy import model_family, qwen3_config_from_hf, read_hf_config, safetensors_files
+from canopy.models import family_of
+from canopy.modules.policy import read_hf_config
 
 
 @dataclass(frozen=True)
@@ -67,22 +67,17 @@ def build_parallel_policy(
     trainable: bool = True,
     dims=None,
 ):
-    """Meta-build the TorchTitan model of `path`'s family (Qwen3, Qwen3.5), parallelize it over `world_size`
+    """Meta-build the TorchTitan model of `path`'s family (`canopy.models`), parallelize it over `world_size`
     processes, and load its HF weights. The frozen reference (`trainable=False`) is sharded the same way (pass the
     policy's `dims` to reuse its meshes), without activation checkpointing."""
     import torchtitan.distributed.parallel_dims as parallel_dims_module
     from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
     from torchtitan.distributed import ParallelDims
-    from torchtitan.models.qwen3 import parallelize_qwen3
-    from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter
 
     hf = read_hf_config(path)
-    qwen3_5 = model_family(hf) == "qwen3_5"
-    if qwen3_5 and (settings.tp > 1 or settings.cp > 1) and device.type == "cpu":
-        raise ConfigError(
-            "parallelism.tp / cp > 1 with Qwen3.5 on CPU: its torch Gated DeltaNet kernels run unsharded; use "
-            "parallelism.dp_shard (FSDP), or GPUs"
-        )
+    spec = family_of(hf)
+    if spec.cpu_tp_cp_refusal and (settings.tp > 1 or settings.cp > 1) and device.type == "cpu":
+        raise ConfigError(spec.cpu_tp_cp_refusal)
 
     if settings.dp_replicate * settings.dp_shard * settings.tp * settings.cp != world_size:
         raise ConfigError(
@@ -101,24 +96,14 @@ def build_parallel_policy(
     if dims is None:
         dims = ParallelDims.from_config(parallelism, world_size)
         dims.build_mesh()
-    if qwen3_5:
-        from canopy.modules.qwen3_5 import build_qwen3_5, parallelize_qwen3_5
-
-        config, model, checkpoint = build_qwen3_5(path, hf, meta=True)
-        config.update_from_config(config=_WithParallelism(parallelism))
-        parallelize, adapter = parallelize_qwen3_5, checkpoint
-    else:
-        config = qwen3_config_from_hf(hf)
-        config.update_from_config(config=_WithParallelism(parallelism))
-        with torch.device("meta"):
-            model = config.build()
-        parallelize, adapter = parallelize_qwen3, Qwen3StateDictAdapter(config, None)
+    config, model = spec.build(hf, _WithParallelism(parallelism))
+    adapter = spec.checkpoint(config, hf, path)
     if settings.dp_shard > 1 and settings.tp > 1 and config.vocab_size % (settings.dp_shard * settings.tp):
         raise ConfigError(
             f"vocab_size={config.vocab_size} must be divisible by dp_shard x tp = {settings.dp_shard * settings.tp} "
             "for FSDP x TP: pad the vocabulary (Qwen3's 151,936 is) or use one of the two"
         )
-    parallelize(
+    spec.parallelize(
         model,
         parallel_dims=dims,
         training=TrainingConfig(mixed_precision_param=settings.mixed_precision, mixed_precision_reduce="float32"),
@@ -129,10 +114,7 @@ def build_parallel_policy(
     )
     model.to_empty(device=device)
     model.init_states(buffer_device=device)
-    if qwen3_5:
-        adapter.load_sharded(model, path)
-    else:
-        load_hf_sharded(model, adapter, path)
+    adapter.load_sharded(model, path)
     for module in model.modules():
         if isinstance(module, FSDPModule):
             # the loss is already divided by the global action-token count (Eq. 8), so gradients are summed
@@ -140,37 +122,6 @@ def build_parallel_policy(
             # PREMUL_SUM either)
             module.set_force_sum_reduction_for_comms(True)
     return model, adapter, dims
-
-
-def load_hf_sharded(model: torch.nn.Module, adapter, path: str | Path) -> None:
-    """Stream the HF safetensors into a sharded model, one tensor at a time; every parameter must be covered."""
-    expected = set(model.state_dict())
-    loaded = set()
-    tied = bool(getattr(model, "enable_weight_tying", False))
-    options = StateDictOptions(full_state_dict=True, strict=False)
-    for file in safetensors_files(path):
-        with safe_open(file, framework="pt") as weights:
-            for hf_name in weights.keys():
-                tensor = weights.get_tensor(hf_name)
-                converted = adapter.from_hf(_one_tensor(hf_name, tensor, tied))
-                if tied and hf_name != "model.embed_tokens.weight":
-                    converted.pop("lm_head.weight", None)  # a placeholder, see _one_tensor
-                set_model_state_dict(model, converted, options=options)
-                loaded |= set(converted)
-    if tied:
-        loaded.add("lm_head.weight")
-    missing = expected - loaded
-    if missing:
-        raise ConfigError(f"checkpoint at '{path}' lacks {sorted(missing)[:3]}...: it does not match its config.json")
-
-
-def _one_tensor(hf_name: str, tensor: torch.Tensor, tied: bool) -> dict[str, torch.Tensor]:
-    """A one-tensor HF dict the adapter accepts: for tied embeddings it insists on seeing an lm_head entry."""
-    return (
-        {hf_name: tensor, "lm_head.weight": tensor}
-        if tied and hf_name != "model.embed_tokens.weight"
-        else {hf_name: tensor}
-    )
 
 
 class _WithParallelism:

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field, fields
 from tqdm.auto import tqdm
 
 from canopy.envs.base import AgentFailure, Environment, EnvironmentFault, Episode, Task, Verdict
+from canopy.models import DEFAULT_FAMILY, MODEL_FAMILIES
+from canopy.models.spec import ChatMarkers
 from canopy.rollout.engine import EngineFault, SamplingParams
 
 _rollouts = itertools.count()  # numbers each rollout, so that episode keys never repeat in a process
@@ -89,10 +91,12 @@ class _Live:
 class ChatTokenizer:
     """A tokenizer whose chat template is always applied with the experiment's options (`model.chat_template_kwargs`,
     e.g. `enable_thinking: false` for Table A3's Qwen3.5), so that the prompt and every rendered observation follow
-    them. Everything else is the wrapped tokenizer's (saving it saves the tokenizer unchanged)."""
+    them, and which carries its model family's chat `markers` (`canopy.models`; default: the default family's).
+    Everything else is the wrapped tokenizer's (saving it saves the tokenizer unchanged)."""
 
-    def __init__(self, tokenizer, **template_kwargs):
+    def __init__(self, tokenizer, markers: ChatMarkers | None = None, **template_kwargs):
         self.tokenizer, self.template_kwargs = tokenizer, template_kwargs
+        self.markers = markers or MODEL_FAMILIES[DEFAULT_FAMILY].chat
 
     def __getattr__(self, name: str):
         if name == "tokenizer":  # not set yet (unpickling): no recursion
@@ -106,6 +110,11 @@ class ChatTokenizer:
         return self.tokenizer.apply_chat_template(conversation, **{**self.template_kwargs, **kwargs})
 
 
+def chat_markers(tokenizer) -> ChatMarkers:
+    """The chat markers of `tokenizer`'s model family: a `ChatTokenizer`'s own, else the default family's."""
+    return tokenizer.markers if isinstance(tokenizer, ChatTokenizer) else MODEL_FAMILIES[DEFAULT_FAMILY].chat
+
+
 def render_prompt(tokenizer, messages: list[dict]) -> list[int]:
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     return tokenizer.encode(text, add_special_tokens=False)
@@ -113,8 +122,8 @@ def render_prompt(tokenizer, messages: list[dict]) -> list[int]:
 
 @functools.lru_cache(maxsize=8)
 def assistant_opening(tokenizer) -> str:
-    """What the chat template appends to open an assistant turn, with its options (Qwen's `<|im_start|>assistant\\n`,
-    plus an empty think block when thinking is disabled)."""
+    """What the chat template appends to open an assistant turn, with its options (e.g. Qwen's turn start +
+    `assistant\\n`, plus an empty think block when thinking is disabled)."""
     probe = [{"role": "user", "content": "?"}]
     closed = tokenizer.apply_chat_template(probe, add_generation_prompt=False, tokenize=False)
     opened = tokenizer.apply_chat_template(probe, add_generation_prompt=True, tokenize=False)
@@ -124,11 +133,12 @@ def assistant_opening(tokenizer) -> str:
 
 
 def render_observation(tokenizer, observation: str, cap: int, close_turn: bool) -> list[int]:
-    """Ids of `<|im_end|>`? + `\\n<|im_start|>user\\n{obs}<|im_end|>\\n` + the template's assistant opening, obs
-    capped to `cap` tokens."""
+    """Ids of `{turn_end}`? + `\\n{turn_start}user\\n{obs}{turn_end}\\n` + the template's assistant opening (the
+    family's `chat_markers`), obs capped to `cap` tokens."""
+    chat = chat_markers(tokenizer)
     content = tokenizer.encode(observation, add_special_tokens=False)[:cap]
-    head = ("<|im_end|>" if close_turn else "") + "\n<|im_start|>user\n"
-    tail = "<|im_end|>\n" + assistant_opening(tokenizer)
+    head = (chat.turn_end if close_turn else "") + f"\n{chat.turn_start}user\n"
+    tail = chat.turn_end + "\n" + assistant_opening(tokenizer)
     return tokenizer.encode(head, add_special_tokens=False) + content + tokenizer.encode(tail, add_special_tokens=False)
 
 
@@ -160,14 +170,14 @@ def run_episodes(
     started = time.perf_counter()
     rollout = next(_rollouts)
     keys = [f"rollout{rollout}-episode{i}" for i in range(len(jobs))]
-    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    turn_end = tokenizer.convert_tokens_to_ids(chat_markers(tokenizer).turn_end)
     trajectories = [Trajectory(task, sample_index, [], [], [], 0) for task, sample_index in jobs]
     pooled = getattr(env, "max_concurrent_episodes", None)
     limit = max(1, min(concurrency or pooled or len(jobs), len(jobs)))
     progress = tqdm(total=len(jobs), desc=description, unit="ep", leave=False, dynamic_ncols=True)
 
     def episode(index: int):
-        return _episode(env, tokenizer, trajectories[index], seed + index, budget, im_end)
+        return _episode(env, tokenizer, trajectories[index], seed + index, budget, turn_end)
 
     try:
         if pooled is None and not getattr(engine, "concurrent", False):
@@ -181,14 +191,14 @@ def run_episodes(
     return trajectories, {"generation": generation_seconds, "env": wall - generation_seconds}
 
 
-def _episode(env, tokenizer, trajectory: Trajectory, seed: int, budget: Budget, im_end: int):
+def _episode(env, tokenizer, trajectory: Trajectory, seed: int, budget: Budget, turn_end: int):
     """One episode's own loop, as a coroutine: it yields each request (prompt ids, new-token limit) and is sent the
     generation; it returns once the episode has ended. Closed early, it hands its environment back."""
     item = _begin(env, tokenizer, trajectory, seed, budget)
     try:
         while item is not None:
             generation = yield item.trajectory.token_ids, _limit(item.trajectory, budget)
-            item = _advance(item, generation, tokenizer, budget, im_end)
+            item = _advance(item, generation, tokenizer, budget, turn_end)
     except BaseException:
         if item is not None:
             item.episode.close()  # a pool worker, a server
@@ -397,7 +407,7 @@ def _begin(env: Environment, tokenizer, trajectory: Trajectory, seed: int, budge
     return _Live(episode, trajectory)
 
 
-def _advance(item: _Live, generation, tokenizer, budget: Budget, im_end: int) -> _Live | None:
+def _advance(item: _Live, generation, tokenizer, budget: Budget, turn_end: int) -> _Live | None:
     """Append one generated turn and act on it; returns the episode if it goes on, None once it ended (closed)."""
     t = item.trajectory
     if isinstance(generation, EngineFault):  # the engine failed this request on every try: not the agent's doing
@@ -410,7 +420,7 @@ def _advance(item: _Live, generation, tokenizer, budget: Budget, im_end: int) ->
     t.token_versions += [generation.weight_version] * len(generation.token_ids)
     t.response_tokens += len(generation.token_ids)
     t.num_turns += 1
-    ending = _step(item, generation, tokenizer, budget, im_end)
+    ending = _step(item, generation, tokenizer, budget, turn_end)
     if ending is None:
         return item
     t.ending = ending
@@ -420,7 +430,7 @@ def _advance(item: _Live, generation, tokenizer, budget: Budget, im_end: int) ->
     return None
 
 
-def _step(item: _Live, generation, tokenizer, budget: Budget, im_end: int) -> str | None:
+def _step(item: _Live, generation, tokenizer, budget: Budget, turn_end: int) -> str | None:
     """Feed the action to the environment; return the episode's ending, or None if it goes on."""
     t = item.trajectory
     if generation.finish_reason == "length":  # else the per-turn cap cut the turn: the episode goes on
@@ -440,7 +450,7 @@ def _step(item: _Live, generation, tokenizer, budget: Budget, im_end: int) -> st
         return "done"
     if t.num_turns >= budget.max_turns:
         return "turn_limit"
-    closes_turn = not generation.token_ids or generation.token_ids[-1] != im_end
+    closes_turn = not generation.token_ids or generation.token_ids[-1] != turn_end
     observation = render_observation(tokenizer, result.observation, budget.max_observation_tokens, closes_turn)
     if len(t.token_ids) + len(observation) >= budget.max_context_tokens:
         return "context_limit"

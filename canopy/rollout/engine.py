@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
+from canopy.models import family_of
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -231,10 +233,9 @@ class LocalEngine:
         config = AutoConfig.from_pretrained(model_path)
         if rope_scaling:
             config.rope_parameters = {**config.rope_parameters, **rope_scaling}
-        if config.model_type.startswith("qwen3_5") and self.device.type == "cpu":
-            from canopy.modules.gated_delta import transformers_on_torch_kernels
-
-            transformers_on_torch_kernels()  # fla's Triton kernels cannot run on the CPU
+        family = family_of(config.to_dict())
+        if family is not None and family.hf_on_cpu is not None and self.device.type == "cpu":
+            family.hf_on_cpu()  # e.g. Qwen3.5: fla's Triton kernels cannot run on the CPU
         model = AutoModelForCausalLM.from_pretrained(model_path, config=config, dtype=getattr(torch, dtype))
         self.model = model.to(self.device).eval()
         text_config = self.model.config.get_text_config(decoder=True)

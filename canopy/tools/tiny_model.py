@@ -23,9 +23,10 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer, decoders, pre_tokenizers
 from tokenizers.models import BPE, WordLevel
-from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+from transformers import PreTrainedTokenizerFast
 
 from canopy.envs.embedded import ACTIONS, FINISH, GOAL_TEXT, VOCABULARY, EmbeddedEnvironment
+from canopy.models import DEFAULT_FAMILY, get_family
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
 CHAT_WORDS = ["\n", "system", "user", "assistant", "<unk>"]
@@ -146,15 +147,15 @@ def build_tiny_checkpoint(
     max_position_embeddings: int = 2048,
     format_warmup_steps: int = 0,
     pad_vocab_multiple: int = 1,
-    family: str = "qwen3",
+    family: str = DEFAULT_FAMILY,
     warmup_turns: int = 5,
     declare_done: bool = False,
     seed: int = 0,
 ) -> Path:
-    """Write a randomly initialized (optionally format-warmed) Qwen3 or Qwen3.5 (`family`) in HF format and its
-    tokenizer, atomically. A tiny Qwen3.5 puts full attention on every 4th layer (and on the last, for fewer than
-    4) and Gated DeltaNet on the others, as Qwen3.5 does."""
+    """Write a randomly initialized (optionally format-warmed) model of `family` (`canopy.models`: its
+    `ModelSpec.tiny_model`) in HF format and its tokenizer, atomically."""
     out_dir = Path(out_dir)
+    spec = get_family(family, key="model.tiny.family")
     tokenizer = build_tokenizer(pad_vocab_multiple=pad_vocab_multiple)
     shared = dict(
         vocab_size=len(tokenizer),
@@ -171,34 +172,7 @@ def build_tiny_checkpoint(
         pad_token_id=tokenizer.pad_token_id,
     )
     torch.manual_seed(seed)
-    if family == "qwen3":
-        model = Qwen3ForCausalLM(Qwen3Config(**shared))
-    elif family == "qwen3_5":
-        from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
-
-        from canopy.modules.gated_delta import transformers_on_torch_kernels
-
-        transformers_on_torch_kernels()
-        full = [(i + 1) % 4 == 0 or (layers < 4 and i == layers - 1) for i in range(layers)]
-        config = Qwen3_5TextConfig(
-            **shared,
-            layer_types=["full_attention" if f else "linear_attention" for f in full],
-            linear_num_key_heads=2,
-            linear_num_value_heads=4,
-            linear_key_head_dim=hidden_size // 4,
-            linear_value_head_dim=hidden_size // 4,
-            linear_conv_kernel_dim=4,
-            rope_parameters={
-                "rope_type": "default",
-                "rope_theta": 10_000_000.0,
-                "partial_rotary_factor": 0.5,
-                "mrope_section": [2, 1, 1],
-                "mrope_interleaved": True,
-            },
-        )
-        model = Qwen3_5ForCausalLM(config)
-    else:
-        raise ValueError(f"model.tiny.family={family!r} is unknown: use qwen3 or qwen3_5")
+    model = spec.tiny_model(shared)
     if format_warmup_steps:
         format_warmup(model, tokenizer, format_warmup_steps, seed, warmup_turns, declare_done)
     out_dir.parent.mkdir(parents=True, exist_ok=True)

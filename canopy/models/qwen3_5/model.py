@@ -5,7 +5,7 @@ checkpoint is not trained and is carried through export unchanged, so the export
 Qwen3.5 interleaves Gated DeltaNet (linear attention) layers with full-attention ones. TorchTitan runs Gated
 DeltaNet with flash-linear-attention's Triton kernels, on GPUs only: there the policy passes each row as one
 document (TorchTitan folds the batch into one stream and restarts the state at document offsets). Elsewhere each
-Gated DeltaNet layer runs the pure-torch kernels of `canopy.modules.gated_delta`, row by row.
+Gated DeltaNet layer runs the pure-torch kernels of `canopy.models.qwen3_5.gated_delta`, row by row.
 """
 
 import re
@@ -26,15 +26,14 @@ from torchtitan.models.qwen3_5 import (
     _qwen35_attention_config,
     _qwen35_deltanet_config,
     _qwen35_vision_encoder_config,
-    parallelize_qwen3_5,  # noqa: F401  (re-exported for canopy.modules.parallel)
 )
 from torchtitan.models.qwen3_5.model import GatedDeltaNet, Qwen35Model, Qwen35TransformerBlock
 from torchtitan.models.qwen3_5.rope import MRoPE
 from torchtitan.models.qwen3_5.state_dict_adapter import Qwen35StateDictAdapter
 
 from canopy.errors import ConfigError
-from canopy.modules.gated_delta import causal_conv1d, chunk_gated_delta_rule
-from canopy.modules.logprob_head import LogprobHead
+from canopy.models.logprob_head import LogprobHead
+from canopy.models.qwen3_5.gated_delta import causal_conv1d, chunk_gated_delta_rule
 
 TEXT_PREFIX = "model.language_model."  # where the adapter expects the language model's tensors
 CARRIED_THROUGH = ("model.visual.", "mtp.")  # checkpoint tensors the policy does not train: exported unchanged
@@ -205,7 +204,7 @@ class Qwen35Checkpoint:
     def from_adapter_names(self, name: str) -> str:
         return name if self.multimodal or not name.startswith(TEXT_PREFIX) else "model." + name[len(TEXT_PREFIX) :]
 
-    def policy_state(self, hf_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def from_hf(self, hf_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         renamed = {self.to_adapter_names(k): v for k, v in hf_state.items()}
         return self.adapter.from_hf({k: v for k, v in renamed.items() if k is not None})
 
@@ -271,9 +270,8 @@ def carried_through(path: Path):
                     yield name, f.get_tensor(name)
 
 
-def build_qwen3_5(path: str | Path, hf: dict, meta: bool = False):
-    """(config, text policy, checkpoint mover) for `path`, the policy on the meta device (to be sharded, then
-    materialized) or on CPU with its buffers initialized (its parameters to be loaded)."""
+def build_text_policy(hf: dict):
+    """(config, text policy on the meta device) of config.json `hf`, to be materialized (or sharded first)."""
     config = qwen3_5_config_from_hf(hf)
     t = text_config(hf)
     with torch.device("meta"):
@@ -282,15 +280,5 @@ def build_qwen3_5(path: str | Path, hf: dict, meta: bool = False):
             image_token_id=hf.get("image_token_id", t.get("image_token_id", -1)),
             video_token_id=hf.get("video_token_id", t.get("video_token_id", -1)),
         ).portable()
-    if not meta:
-        model.to_empty(device="cpu")
-        model.init_states(buffer_device=torch.device("cpu"))  # RoPE cache; parameters are loaded after
     set_spmd_backend("partial_dtensor")  # the attention-mask dict is plain tensors, not SPMD-typed inputs
-    return config, model, Qwen35Checkpoint(config, path, multimodal="text_config" in hf)
-
-
-def load_qwen3_5(path: str | Path, hf: dict, hf_weights: dict[str, torch.Tensor], dtype: torch.dtype):
-    """Build the text policy from `path` and load its HF weights exactly (strict over what it trains)."""
-    _, model, checkpoint = build_qwen3_5(path, hf)
-    model.load_state_dict(checkpoint.policy_state(hf_weights), strict=True)
-    return model.to(dtype), checkpoint
+    return config, model
