@@ -137,6 +137,8 @@ def test_unbuilt_components_say_so():
         build_env(config("env.name=webarena"))
     with pytest.raises(ConfigError, match="select SWE-bench with env=swebench"):
         build_env(config("env.name=swebench"))
+    with pytest.raises(ConfigError, match="select AppWorld with env=appworld"):
+        build_env(config("env.name=appworld"))
 
 
 def test_pool_setting_wraps_the_environment():

@@ -498,6 +498,9 @@ ENVIRONMENT, SETTINGS = AppWorldEnvironment, AppWorldSettings
 
 def environment_kwargs(env) -> dict:
     """`env.appworld.*`, checked against the pool's settings: `AppWorldEnvironment`'s keyword arguments."""
-    settings = AppWorldSettings(**env.get("appworld", {}))
+    require(
+        "appworld" in env, "env.appworld is missing: select AppWorld with env=appworld (a config group), not env.name"
+    )
+    settings = AppWorldSettings(**env.appworld)
     settings.validate(PoolSettings(**env.pool))
     return asdict(settings)
