@@ -121,8 +121,8 @@ class SGLangEngine:
         keys: list[str | None] | None = None,
     ) -> list[Generation | EngineFault]:
         """One concurrent request per prompt; `keys` (one per prompt: its episode) make routing sticky. A request that
-        fails on every try comes back as an `EngineFault` in its slot; a stale sample or a request the server rejects
-        as invalid raises."""
+        fails on every try comes back as an `EngineFault` in its slot; one that gets a stale sample on every try (no
+        server holds the engine's weights) or that a server rejects as invalid raises."""
         keys = keys or [None] * len(prompts)
         futures = [
             self.pool.submit(self._generate_one, p, n, sampling, key)
