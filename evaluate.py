@@ -43,10 +43,10 @@ def main(cfg: DictConfig) -> None:
     try:
         validate(train_view(cfg))
         validate_eval(cfg)
+        env = build_env(cfg, log_dir=out_dir / "env_logs")  # checks the environment's own keys; starts nothing yet
         base_path = ensure_model(cfg)
         model_path, weights = checkpoint_weights(cfg.checkpoint, base_path) if cfg.checkpoint else (base_path, None)
         tokenizer = build_tokenizer(cfg, model_path)
-        env = build_env(cfg, log_dir=out_dir / "env_logs")
         engine = build_engine(cfg, model_path, tokenizer)  # applies budget.rope_scaling (YaRN) when set
         tasks = env.tasks(cfg.data.split if cfg.pilot else cfg.split)
         trajectory_log = build_trajectory_log(cfg, tokenizer, model_path, out_dir / "trajectories")

@@ -7,7 +7,14 @@ import hydra
 import lightning as L
 from omegaconf import DictConfig, OmegaConf
 
-from canopy.build import build_datamodule, build_engine_handle, build_module, build_strategy, ensure_model
+from canopy.build import (
+    build_datamodule,
+    build_engine_handle,
+    build_env,
+    build_module,
+    build_strategy,
+    ensure_model,
+)
 from canopy.callbacks import RolloutViewer, build_callbacks
 from canopy.config import mean_group_size, validate
 from canopy.envs.base import SystemicFaultError
@@ -28,12 +35,11 @@ def main(cfg: DictConfig) -> None:
     run_dir = Path(hydra.core.hydra_config.HydraConfig.get().runtime.output_dir)
     try:
         validate(cfg)
+        env = build_env(cfg, log_dir=run_dir / "env_logs")  # checks the environment's own keys; starts nothing yet
         model_path = ensure_model(cfg)
         check_memory(cfg, model_path)  # a GPU run that cannot fit stops here, before any rollout
         engine = build_engine_handle(cfg, model_path)  # the run's one engine, lent to the data and the module
-        datamodule = build_datamodule(
-            cfg, model_path, engine, log_dir=run_dir / "env_logs", trajectory_dir=run_dir / "trajectories"
-        )
+        datamodule = build_datamodule(cfg, model_path, engine, env, trajectory_dir=run_dir / "trajectories")
         module = build_module(cfg, model_path, engine)
         strategy = build_strategy(cfg)
         callbacks = build_callbacks(cfg)

@@ -38,7 +38,8 @@ def ensure_model(cfg: DictConfig) -> str:
 
 
 def build_env(cfg: DictConfig, log_dir: str | Path | None = None):
-    """The environment `canopy.envs.<env.name>` (its keys checked), in-process, or behind a pool of isolated worker
+    """The environment `canopy.envs.<env.name>`, its own keys checked here (once: `validate` checks the rest, and the
+    entry points build the environment right after it), in-process, or behind a pool of isolated worker
     processes when `env.pool.workers > 0` (keeping the logs of faulted workers and servers in `log_dir`, e.g. the
     run's `env_logs/`); behind such a pool on each node of a Ray cluster when `env.ray.address` is set."""
     kwargs = environment_kwargs(cfg.env)
@@ -115,15 +116,16 @@ def build_datamodule(
     cfg: DictConfig,
     model_path: str,
     engine: EngineHandle | None = None,
-    log_dir: str | Path | None = None,
+    env=None,
     trajectory_dir: str | Path | None = None,
 ) -> RolloutDataModule:
-    """The rollout data module, generating with `engine` (the run's handle; a new one when not given), logging
-    its episodes under `trajectory_dir` (when given and `trajectories.enabled`)."""
+    """The rollout data module over `env` (the run's environment, from `build_env`; a new one when not given),
+    generating with `engine` (the run's handle; a new one when not given), logging its episodes under
+    `trajectory_dir` (when given and `trajectories.enabled`)."""
     tokenizer = build_tokenizer(cfg, model_path)
     trajectory_log = build_trajectory_log(cfg, tokenizer, model_path, trajectory_dir) if trajectory_dir else None
     return RolloutDataModule(
-        build_env(cfg, log_dir),
+        env if env is not None else build_env(cfg),
         engine or build_engine_handle(cfg, model_path),
         tokenizer,
         split=cfg.data.split,

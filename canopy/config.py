@@ -185,7 +185,6 @@ def validate(cfg: DictConfig) -> None:
         is_int(cfg.checkpoint.every_n_steps) and cfg.checkpoint.every_n_steps >= 0,
         f"checkpoint.every_n_steps={cfg.checkpoint.every_n_steps} must be 0 (off) or a positive integer",
     )
-    from canopy.envs import environment_kwargs, environment_module  # each component checks its own keys
     from canopy.envs.pool import check_serving
     from canopy.models import MODEL_FAMILIES, family_of
 
@@ -220,7 +219,6 @@ def validate(cfg: DictConfig) -> None:
             f"model.family={cfg.model.family} but model.path '{cfg.model.path}' holds model_type={declared!r}"
             + (f": set model.family={found}" if found else f": Canopy trains {', '.join(MODEL_FAMILIES)}"),
         )
-    environment_kwargs(cfg.env)
     if cfg.get("trajectories") is not None:
         from canopy.trajectories import sampling_of
 

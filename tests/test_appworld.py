@@ -226,9 +226,16 @@ def test_an_episode_whose_world_was_replaced_is_corrupted(env_kwargs):
     ],
 )
 def test_appworld_config_names_the_fix(env_kwargs, tiny_path, override, message):
+    """What the entry points check before anything starts: `validate`, then the environment's own keys as it is
+    built (a pool starts no worker until its first episode)."""
+    from canopy.build import build_env
     from canopy.config import validate
     from canopy.errors import ConfigError
     from tests.test_config import config
+
+    def checked(cfg):
+        validate(cfg)
+        build_env(cfg)
 
     cfg = config(
         "experiment=appworld_canopy",
@@ -240,8 +247,8 @@ def test_appworld_config_names_the_fix(env_kwargs, tiny_path, override, message)
         override,
     )
     with pytest.raises(ConfigError, match=message):
-        validate(cfg)
-    validate(
+        checked(cfg)
+    checked(
         config(
             "experiment=appworld_canopy",
             f"model.path={tiny_path}",
