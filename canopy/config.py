@@ -9,17 +9,20 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
 from canopy.envs import available, environment_module
-from canopy.envs.pool import PoolSettings
+from canopy.envs.pool import PoolSettings, check_serving
 from canopy.envs.ray_pool import RaySettings
 from canopy.envs.sandbox import SandboxLimits
 from canopy.errors import ConfigError, is_int, require
 from canopy.mismatch import RolloutCorrection
+from canopy.models import MODEL_FAMILIES, family_of
+from canopy.modules.canopy_module import CP_NEEDS_GPU, CP_SEQ_MEAN  # the module checks them again
 from canopy.modules.parallel import ParallelSettings
 from canopy.rollout.sglang import SGLangSettings
+from canopy.trajectories import sampling_of
 
 ENGINES = ("local", "sglang")
 SCHEMAS = (PoolSettings, SandboxLimits, RaySettings, ParallelSettings, RolloutCorrection, SGLangSettings) + tuple(
-    environment_module(name).SETTINGS for name in available() if hasattr(environment_module(name), "SETTINGS")
+    settings for name in available() if (settings := getattr(environment_module(name), "SETTINGS", None))
 )
 """Components whose settings dataclass is the schema of their config node and holds its only defaults (an
 environment's is its module's `SETTINGS`). Each is composed in as `schema@<node>: <Class>` (conf/train.yaml; an
@@ -142,8 +145,6 @@ def validate(cfg: DictConfig) -> None:
         f"trainer.rollout_timeout_s={t.rollout_timeout_s} must be a positive integer: how long the other ranks wait "
         "for rank 0's rollout step or evaluation",
     )
-    from canopy.modules.canopy_module import CP_NEEDS_GPU, CP_SEQ_MEAN  # the module checks them again
-
     require(p.cp == 1 or t.accelerator != "cpu", CP_NEEDS_GPU)
     require(p.cp == 1 or a.loss_aggregation == "token-mean", CP_SEQ_MEAN)
     require(
@@ -185,9 +186,6 @@ def validate(cfg: DictConfig) -> None:
         is_int(cfg.checkpoint.every_n_steps) and cfg.checkpoint.every_n_steps >= 0,
         f"checkpoint.every_n_steps={cfg.checkpoint.every_n_steps} must be 0 (off) or a positive integer",
     )
-    from canopy.envs.pool import check_serving
-    from canopy.models import MODEL_FAMILIES, family_of
-
     environment_module(cfg.env.name)
     check_serving(cfg.env)
     require(cfg.engine.name in ENGINES, f"engine.name={cfg.engine.name!r} is unknown: use one of {', '.join(ENGINES)}")
@@ -220,8 +218,6 @@ def validate(cfg: DictConfig) -> None:
             + (f": set model.family={found}" if found else f": Canopy trains {', '.join(MODEL_FAMILIES)}"),
         )
     if cfg.get("trajectories") is not None:
-        from canopy.trajectories import sampling_of
-
         sampling_of(cfg.trajectories)
     if cfg.engine.name == "sglang":
         SGLangSettings(**cfg.engine.sglang).validate(cfg.trainer.accelerator, cfg.trainer.devices)
