@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import hydra
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from canopy.build import (
     build_engine,
@@ -19,7 +19,7 @@ from canopy.build import (
     build_trajectory_log,
     ensure_model,
 )
-from canopy.config import mean_group_size, validate, validate_eval
+from canopy.config import check_command_line, mean_group_size, validate, validate_eval
 from canopy.envs.base import SystemicFaultError
 from canopy.errors import ConfigError
 from canopy.eval.pilot import format_pilot, pilot_report
@@ -32,7 +32,7 @@ from canopy.tools.viewer import build_viewer
 
 def train_view(cfg: DictConfig) -> DictConfig:
     """The config as `validate` checks it: `checkpoint=<path>` here replaces train.yaml's checkpoint section."""
-    view = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
+    view = cfg.copy()  # typed as composed: `validate` reads each section's schema
     view.checkpoint = {"every_n_steps": 0, "resume": None}
     return view
 
@@ -131,4 +131,8 @@ def run(cfg: DictConfig, env, engine, tokenizer, tasks, out_dir: Path, trajector
 
 
 if __name__ == "__main__":
+    try:
+        check_command_line(sys.argv[1:], "evaluate")  # a typo'd key or option: one line, before Hydra's report
+    except ConfigError as error:
+        sys.exit(f"config error: {error}")
     main()

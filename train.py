@@ -16,15 +16,15 @@ from canopy.build import (
     ensure_model,
 )
 from canopy.callbacks import RolloutViewer, build_callbacks
-from canopy.config import mean_group_size, validate
+from canopy.config import check_command_line, mean_group_size, validate
 from canopy.envs.base import SystemicFaultError
 from canopy.errors import ConfigError
 from canopy.loggers import build_loggers, finish_loggers
 from canopy.memory import check_memory
 from canopy.mismatch import OffPolicyError
+from canopy.models.hf_checkpoint import write_hf_checkpoint
 from canopy.modules.canopy_module import silence_benign_warnings
 from canopy.modules.checkpoint import AtomicCheckpoint
-from canopy.modules.policy import write_hf_checkpoint
 from canopy.tools.plots import training_plots
 from canopy.tools.summary import BaseSuccess, success_by_tier, write_summary
 
@@ -112,4 +112,8 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    try:
+        check_command_line(sys.argv[1:], "train")  # a typo'd key or option: one line, before Hydra's report
+    except ConfigError as error:
+        sys.exit(f"config error: {error}")
     main()

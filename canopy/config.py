@@ -1,24 +1,38 @@
 """Config schemas and validation: a typo'd or mistyped key fails at composition, every bad value at start, each with
 the key named."""
 
-import json
+import dataclasses
+import difflib
 from pathlib import Path
 
 from hydra import compose, initialize_config_dir
 from hydra.core.config_store import ConfigStore
+from hydra.errors import HydraException, OverrideParseException
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
+from canopy.callbacks.budget_transfer import EvalSettings
+from canopy.datamodules.rollout import DataSettings
 from canopy.envs import available, environment_module
 from canopy.envs.pool import PoolSettings, check_serving
 from canopy.envs.ray_pool import RaySettings
 from canopy.envs.sandbox import SandboxLimits
 from canopy.errors import ConfigError, is_int, require
 from canopy.mismatch import RolloutCorrection
-from canopy.models import MODEL_FAMILIES, family_of
-from canopy.modules.canopy_module import CP_NEEDS_GPU, CP_SEQ_MEAN  # the module checks them again
+from canopy.models import MODEL_FAMILIES, ModelSettings
+from canopy.modules.canopy_module import (  # the module checks CP_* again
+    CP_NEEDS_GPU,
+    CP_SEQ_MEAN,
+    AlgorithmSettings,
+    OptimSettings,
+    TrainerSettings,
+)
 from canopy.modules.parallel import ParallelSettings
+from canopy.rollout.agent_loop import BudgetSettings
+from canopy.rollout.engine import SamplingParams
 from canopy.rollout.sglang import SGLangSettings
-from canopy.trajectories import sampling_of
+from canopy.tools.summary import ReportSettings
+from canopy.trajectories import TrajectorySettings
 
 ENGINES = ("local", "sglang")
 SCHEMAS = (PoolSettings, SandboxLimits, RaySettings, ParallelSettings, RolloutCorrection, SGLangSettings) + tuple(
@@ -28,14 +42,38 @@ SCHEMAS = (PoolSettings, SandboxLimits, RaySettings, ParallelSettings, RolloutCo
 environment's is its module's `SETTINGS`). Each is composed in as `schema@<node>: <Class>` (conf/train.yaml; an
 environment's in conf/env/<name>.yaml), the YAML setting only what differs (`python train.py --cfg job` prints
 every key)."""
+SECTIONS = {
+    "algorithm": AlgorithmSettings,
+    "data": DataSettings,
+    "budget": BudgetSettings,
+    "sampling": SamplingParams,
+    "optim": OptimSettings,
+    "trainer": TrainerSettings,
+    "parallelism": ParallelSettings,
+    "eval": EvalSettings,
+    "report": ReportSettings,
+    "model": ModelSettings,
+    "trajectories": TrajectorySettings,
+}
+"""The run's sections typed by a schema whose defaults are conf/train.yaml's (the dataclass holds none, the YAML
+says what each key means), or, for `parallelism`, by a schema above. Composed in as `schema@<node>: <Class>`; each
+checks its own keys in its `validate`."""
 
 
 def register_schemas() -> None:
-    for schema in SCHEMAS:
+    for schema in {*SCHEMAS, *SECTIONS.values()}:
         node = OmegaConf.structured(schema)
-        for frozen in (node, *(node[key] for key in node if OmegaConf.is_config(node[key]))):
-            OmegaConf.set_readonly(frozen, None)  # a frozen settings object; its config node takes the YAML's values
+        thaw(node)
         ConfigStore.instance().store(group="schema", name=schema.__name__, node=node)
+
+
+def thaw(node) -> None:
+    """A frozen settings dataclass gives a read-only node; its config node takes the YAML's values."""
+    OmegaConf.set_readonly(node, None)
+    if OmegaConf.is_dict(node):
+        for key in node:
+            if OmegaConf.is_config(child := node._get_node(key)):
+                thaw(child)
 
 
 register_schemas()  # on import: train.py, evaluate.py and the tools compose after importing this module
@@ -48,115 +86,83 @@ def compose_config(overrides=(), name: str = "train") -> DictConfig:
         return compose(name, overrides=list(overrides))
 
 
+def check_command_line(argv: list[str], name: str) -> None:
+    """Compose the config of `python <name>.py ARGV` before Hydra does, so that a typo'd or mistyped key, or an
+    unknown group option, stops the run with one line naming the fix (Hydra's own report spans five or more). A
+    command line with flags (`--cfg job`, `-m` sweeps) is left to Hydra."""
+    if any(arg.startswith("-") for arg in argv):
+        return
+    try:
+        compose_config(argv, name)
+    except (HydraException, OmegaConfBaseException) as error:
+        raise ConfigError(composition_error(error, name)) from error
+
+
+def composition_error(error: Exception, name: str) -> str:
+    """One line from Hydra's or OmegaConf's multi-line composition error, naming the key and the fix."""
+    cause = error.__cause__ if isinstance(error.__cause__, OmegaConfBaseException) else error
+    if isinstance(cause, OmegaConfBaseException) and cause.full_key:
+        key, schema = cause.full_key, cause.object_type
+        if isinstance(cause, (ConfigKeyError, ConfigAttributeError)) and dataclasses.is_dataclass(schema):
+            known = [f.name for f in dataclasses.fields(schema)]
+            node, _, typo = key.rpartition(".")
+            close = difflib.get_close_matches(typo, known, n=1)
+            hint = f"did you mean {node}.{close[0]}?" if close else f"its keys are {', '.join(known)}"
+            return f"{key} is not a key of {schema.__name__}: {hint}"
+        first = str(cause).splitlines()[0]
+        return f"{key}: {first}; `python {name}.py --cfg job` prints every key with its value"
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    if any(line.startswith("Available options") for line in lines):  # an unknown option of a config group
+        start = next(i for i, line in enumerate(lines) if line.startswith("Available options")) + 1
+        end = next((i for i, line in enumerate(lines) if line.startswith("Config search path")), len(lines))
+        return f"{lines[0]}: use one of {', '.join(lines[start:end])}"
+    if isinstance(error, OverrideParseException):  # its second line says what is wrong: "missing EQUAL at '<EOF>'"
+        return (
+            f"{lines[0]}: {lines[1]}; overrides are key=value (https://hydra.cc/docs/advanced/override_grammar/basic)"
+        )
+    return lines[0]
+
+
 def mean_group_size(cfg: DictConfig) -> int:
     """Rollouts per task on average: `algorithm.group_size`, or with `auto` its `adaptive_group.mean`."""
-    a = cfg.algorithm
-    return a.adaptive_group.mean if a.group_size == "auto" else a.group_size
+    return settings(cfg, "algorithm").mean_group_size()
+
+
+def settings(cfg: DictConfig, node: str):
+    """The settings object of config node `node`, built from its (schema-typed) config; a key the schema does not
+    know (added with `+node.key=...`, which composition lets through) is refused, not ignored."""
+    unknown = sorted(unknown_keys(cfg[node], OmegaConf.get_type(cfg[node]), node))
+    require(not unknown, f"{'; '.join(unknown)}: remove it, or fix its name (`python train.py --cfg job` lists keys)")
+    return OmegaConf.to_object(cfg[node])
+
+
+def unknown_keys(node: DictConfig, schema, prefix: str):
+    known = {f.name: f.type for f in dataclasses.fields(schema)}
+    for key in node:
+        if key not in known:
+            yield f"{prefix}.{key} is not a key of {schema.__name__}"
+        elif dataclasses.is_dataclass(kind := OmegaConf.get_type(node, key)) and node[key] is not None:
+            yield from unknown_keys(node[key], kind, f"{prefix}.{key}")
 
 
 def validate(cfg: DictConfig) -> None:
-    """Check the keys the recipe depends on; raise ConfigError with the fix on the first bad one."""
+    """Check the run's config; raise ConfigError with the fix on the first bad value. Each component's settings
+    check their own keys (`validate` beside their fields); the checks that span components are here."""
     missing = sorted(OmegaConf.missing_keys(cfg))
     if missing:
         raise ConfigError(f"config key(s) {missing} must be set, e.g. `python train.py {missing[0]}=...`")
-    a, d, b, s, o, t = cfg.algorithm, cfg.data, cfg.budget, cfg.sampling, cfg.optim, cfg.trainer
+    require(is_int(cfg.seed), f"seed={cfg.seed!r} must be an integer")
+    for node in [node for node in SECTIONS if node != "model"]:  # the model's files are read after the cheap checks
+        settings(cfg, node).validate()
+    a, t, p = cfg.algorithm, cfg.trainer, cfg.parallelism
 
     require(
-        a.group_size == "auto" or (is_int(a.group_size) and a.group_size >= 2),
-        f"algorithm.group_size={a.group_size}: group-relative advantages need >= 2 rollouts per task; set "
-        "algorithm.group_size >= 2, or auto (Eq. 5 per task, algorithm.adaptive_group)",
-    )
-    g = a.adaptive_group
-    require(
-        is_int(g.floor) and is_int(g.cap) and is_int(g.mean) and 2 <= g.floor <= g.mean <= g.cap,
-        f"algorithm.adaptive_group floor={g.floor} / mean={g.mean} / cap={g.cap}: need integers with "
-        "2 <= floor <= mean <= cap",
-    )
-    require(0 < g.tau < 1, f"algorithm.adaptive_group.tau={g.tau} must lie strictly between 0 and 1 (Eq. 5)")
-    require(0 <= g.decay <= 1, f"algorithm.adaptive_group.decay={g.decay} must lie in [0, 1]")
-    require(
-        isinstance(a.kl_coef, (int, float)) and a.kl_coef >= 0,
-        f"algorithm.kl_coef={a.kl_coef} must be >= 0 (0 disables the KL anchor, the no_kl ablation)",
-    )
-    require(
-        0 <= a.clip_low < 1 and a.clip_high >= 0,
-        f"algorithm.clip_low={a.clip_low} / clip_high={a.clip_high}: need 0 <= clip_low < 1 and clip_high >= 0",
-    )
-    require(
-        a.loss_aggregation in ("token-mean", "seq-mean"),
-        f"algorithm.loss_aggregation={a.loss_aggregation!r} is unknown: use token-mean (the recipe) or seq-mean",
-    )
-    require(a.reward in ("sparse", "dense"), f"algorithm.reward={a.reward!r} is unknown: use sparse or dense")
-    require(a.entropy_coef >= 0, f"algorithm.entropy_coef={a.entropy_coef} must be >= 0 (the recipe uses 0)")
-    require(is_int(d.tasks_per_step) and d.tasks_per_step >= 1, f"data.tasks_per_step={d.tasks_per_step} must be >= 1")
-    require(
-        is_int(a.minibatches_per_step) and 1 <= a.minibatches_per_step <= d.tasks_per_step * mean_group_size(cfg),
+        a.minibatches_per_step <= cfg.data.tasks_per_step * mean_group_size(cfg),
         f"algorithm.minibatches_per_step={a.minibatches_per_step}: use 1 (strict on-policy) up to the episodes per "
         "step",
     )
-    for key in (
-        "max_turns",
-        "max_response_tokens",
-        "max_prompt_tokens",
-        "max_observation_tokens",
-        "max_context_tokens",
-    ):
-        require(is_int(b[key]) and b[key] >= 1, f"budget.{key}={b[key]} must be a positive integer")
-    require(
-        b.per_turn_generation_cap is None or (is_int(b.per_turn_generation_cap) and b.per_turn_generation_cap >= 1),
-        f"budget.per_turn_generation_cap={b.per_turn_generation_cap} must be null (uncapped) or a positive integer",
-    )
-    require(
-        b.max_prompt_tokens < b.max_context_tokens,
-        f"budget.max_prompt_tokens={b.max_prompt_tokens} must be below "
-        f"budget.max_context_tokens={b.max_context_tokens}",
-    )
-    require(s.temperature > 0, f"sampling.temperature={s.temperature} must be > 0")
-    require(0 < s.top_p <= 1, f"sampling.top_p={s.top_p} must lie in (0, 1]")
-    require(is_int(s.top_k) and (s.top_k == -1 or s.top_k >= 1), f"sampling.top_k={s.top_k}: use -1 (off) or >= 1")
-
-    require(o.lr > 0, f"optim.lr={o.lr} must be > 0")
-    require(o.grad_clip is None or o.grad_clip > 0, f"optim.grad_clip={o.grad_clip} must be null (off) or > 0")
-    require(is_int(t.max_steps) and t.max_steps >= 1, f"trainer.max_steps={t.max_steps} must be >= 1")
-    require(
-        is_int(t.micro_batch_tokens) and t.micro_batch_tokens >= 1,
-        f"trainer.micro_batch_tokens={t.micro_batch_tokens} must be a positive integer",
-    )
-
-    require(
-        is_int(t.logprob_chunk_tokens) and t.logprob_chunk_tokens >= 1,
-        f"trainer.logprob_chunk_tokens={t.logprob_chunk_tokens} must be a positive integer (e.g. 2048)",
-    )
-    require(
-        isinstance(t.memory_check, bool),
-        f"trainer.memory_check={t.memory_check} must be true (refuse a GPU run that cannot fit) or false",
-    )
-    require(
-        t.gpu_memory_gib is None or (isinstance(t.gpu_memory_gib, (int, float)) and t.gpu_memory_gib > 0),
-        f"trainer.gpu_memory_gib={t.gpu_memory_gib} must be null (the device's own) or the GPU's memory in GiB, "
-        "e.g. 79.6 for an H100 80 GB",
-    )
-
-    p = cfg.parallelism
-    for key in ("dp_replicate", "dp_shard", "tp", "cp"):
-        require(is_int(p[key]) and p[key] >= 1, f"parallelism.{key}={p[key]} must be a positive integer")
-    require(
-        is_int(t.rollout_timeout_s) and t.rollout_timeout_s > 0,
-        f"trainer.rollout_timeout_s={t.rollout_timeout_s} must be a positive integer: how long the other ranks wait "
-        "for rank 0's rollout step or evaluation",
-    )
     require(p.cp == 1 or t.accelerator != "cpu", CP_NEEDS_GPU)
     require(p.cp == 1 or a.loss_aggregation == "token-mean", CP_SEQ_MEAN)
-    require(
-        p.mixed_precision in ("float32", "bfloat16"),
-        f"parallelism.mixed_precision={p.mixed_precision!r} is unknown: use float32 or bfloat16",
-    )
-    require(
-        p.activation_checkpointing in ("none", "full", "selective"),
-        f"parallelism.activation_checkpointing={p.activation_checkpointing!r} is unknown: use none, full or selective",
-    )
-    for key in ("devices", "num_nodes"):
-        require(is_int(t[key]) and t[key] >= 1, f"trainer.{key}={t[key]} must be a positive integer")
     world = p.dp_replicate * p.dp_shard * p.tp * p.cp
     require(
         world == t.devices * t.num_nodes,
@@ -189,36 +195,13 @@ def validate(cfg: DictConfig) -> None:
     environment_module(cfg.env.name)
     check_serving(cfg.env)
     require(cfg.engine.name in ENGINES, f"engine.name={cfg.engine.name!r} is unknown: use one of {', '.join(ENGINES)}")
+    settings(cfg, "model").validate()
+    family = MODEL_FAMILIES[cfg.model.family]
     require(
-        cfg.model.path is not None or bool(cfg.model.tiny),
-        "model.path is not set: pass model.path=/path/to/hf_checkpoint (config.json + *.safetensors + tokenizer)",
+        p.cp == 1 or family.context_parallel,
+        f"parallelism.cp={p.cp} with model.family={family.name}: its TorchTitan model has no context parallel; split "
+        "long sequences with parallelism.tp instead (docs/memory.md)",
     )
-    require(
-        cfg.model.path is None or Path(cfg.model.path).is_dir(),
-        f"model.path '{cfg.model.path}' does not exist: point it at an HF checkpoint directory (config.json + "
-        "*.safetensors + tokenizer)"
-        + (", or leave model.path unset for the embedded tiny model" if cfg.model.tiny else ""),
-    )
-    require(
-        cfg.model.path is None or (Path(cfg.model.path) / "config.json").is_file(),
-        f"model.path '{cfg.model.path}' has no config.json: point it at an HF checkpoint directory (config.json + "
-        "*.safetensors + tokenizer)",
-    )
-    require(
-        cfg.model.family in MODEL_FAMILIES,
-        f"model.family={cfg.model.family!r} has no model in this build yet: use one of {', '.join(MODEL_FAMILIES)}",
-    )
-    if cfg.model.path is not None:
-        hf = json.loads((Path(cfg.model.path) / "config.json").read_text())
-        family = family_of(hf)
-        declared, found = hf.get("model_type"), family.name if family is not None else None
-        require(
-            found == cfg.model.family,
-            f"model.family={cfg.model.family} but model.path '{cfg.model.path}' holds model_type={declared!r}"
-            + (f": set model.family={found}" if found else f": Canopy trains {', '.join(MODEL_FAMILIES)}"),
-        )
-    if cfg.get("trajectories") is not None:
-        sampling_of(cfg.trajectories)
     if cfg.engine.name == "sglang":
         SGLangSettings(**cfg.engine.sglang).validate(cfg.trainer.accelerator, cfg.trainer.devices)
     if cfg.engine.name == "local":

@@ -1,6 +1,9 @@
 """Signal coverage under a sparse reward (Section 3.2, Eqs. 4-5)."""
 
 import math
+from dataclasses import dataclass
+
+from canopy.errors import is_int, require
 
 
 def signal_coverage(p: float, n: int) -> float:
@@ -55,6 +58,27 @@ def allocate_rollouts(wanted: list[float], budget: int, floor: int, cap: int) ->
     for i in by_remainder[: budget - sum(counts)]:  # sum(exact) = budget, so fewer than len(wanted) are left
         counts[i] += 1
     return counts
+
+
+@dataclass
+class AdaptiveGroupSettings:
+    """`algorithm.adaptive_group.*`, read with `algorithm.group_size=auto`: the schema (conf/train.yaml holds the
+    defaults and says what each key means)."""
+
+    mean: int
+    floor: int
+    cap: int
+    tau: float
+    decay: float
+
+    def validate(self) -> None:
+        require(
+            all(is_int(v) for v in (self.floor, self.mean, self.cap)) and 2 <= self.floor <= self.mean <= self.cap,
+            f"algorithm.adaptive_group floor={self.floor} / mean={self.mean} / cap={self.cap}: need integers with "
+            "2 <= floor <= mean <= cap",
+        )
+        require(0 < self.tau < 1, f"algorithm.adaptive_group.tau={self.tau} must lie strictly between 0 and 1 (Eq. 5)")
+        require(0 <= self.decay <= 1, f"algorithm.adaptive_group.decay={self.decay} must lie in [0, 1]")
 
 
 class SuccessEstimates:

@@ -69,6 +69,21 @@ class Sampling:
         return kept
 
 
+@dataclass
+class TrajectorySettings:
+    """`trajectories.*`: the schema (conf/train.yaml holds the defaults); `sampling_of` checks and reads it."""
+
+    enabled: bool
+    every_n_steps: int
+    tasks: list[str] | None
+    groups_per_tier: int | None
+    token_ids: bool
+    max_disk_mb: float
+
+    def validate(self) -> None:
+        sampling_of(self)
+
+
 def sampling_of(section) -> Sampling | None:
     """The config's `trajectories` section as `Sampling` (None when disabled), each key checked with its fix."""
 

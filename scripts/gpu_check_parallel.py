@@ -32,6 +32,9 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from canopy.models import MODEL_FAMILIES, get_family  # noqa: E402
+
 H200_BF16_PEAK = 989e12  # dense bf16 FLOP/s
 # fmt: off
 GPU_MODEL = dict(hidden_size=1024, num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=8, head_dim=64,
@@ -42,10 +45,9 @@ CPU_MODEL = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num
 COMPARED = ("actor/entropy", "actor/grad_norm", "actor/kl", "actor/loss")
 
 
-def write_random_qwen3(path: Path, shape: dict) -> Path:
-    """A random Qwen3 in HF format (config.json + model.safetensors); no tokenizer is needed for the update."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
+def write_random_model(spec, path: Path, shape: dict) -> Path:
+    """A random model of the family in HF format (config.json + model.safetensors), built by the family's spec as
+    the tiny checkpoint is; no tokenizer is needed for the update."""
     keys = (
         "hidden_size",
         "num_hidden_layers",
@@ -55,36 +57,9 @@ def write_random_qwen3(path: Path, shape: dict) -> Path:
         "intermediate_size",
         "vocab_size",
     )
-    config = Qwen3Config(
-        **{k: shape[k] for k in keys}, max_position_embeddings=shape["seq_len"], tie_word_embeddings=False
-    )
+    shared = {k: shape[k] for k in keys} | {"max_position_embeddings": shape["seq_len"], "tie_word_embeddings": False}
     torch.manual_seed(0)
-    Qwen3ForCausalLM(config).save_pretrained(path)
-    return path
-
-
-def write_random_qwen3_5(path: Path, shape: dict) -> Path:
-    """A random Qwen3.5 of the same size: Gated DeltaNet layers with full attention on every 4th (and the last)."""
-    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
-
-    layers = shape["num_hidden_layers"]
-    config = Qwen3_5TextConfig(
-        **{k: shape[k] for k in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim")},
-        intermediate_size=shape["intermediate_size"],
-        vocab_size=shape["vocab_size"],
-        num_hidden_layers=layers,
-        layer_types=[
-            "full_attention" if (i + 1) % 4 == 0 or i == layers - 1 else "linear_attention" for i in range(layers)
-        ],
-        linear_num_key_heads=4,
-        linear_num_value_heads=8,
-        linear_key_head_dim=shape["head_dim"],
-        linear_value_head_dim=shape["head_dim"],
-        max_position_embeddings=shape["seq_len"],
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(0)
-    Qwen3_5ForCausalLM(config).save_pretrained(path)
+    spec.tiny_model(shared).save_pretrained(path)
     return path
 
 
@@ -266,7 +241,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cpu-dry-run", action="store_true", help="tiny model on CPU (gloo): exercises the code path")
     parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--family", choices=("qwen3", "qwen3_5"), default="qwen3", help="the policy's model family")
+    parser.add_argument("--family", choices=tuple(MODEL_FAMILIES), default="qwen3", help="the policy's model family")
     parser.add_argument("--timeout", type=int, default=240, help="seconds per part")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--model", type=Path, help=argparse.SUPPRESS)
@@ -280,8 +255,8 @@ def main() -> None:
     shape, failures = (CPU_MODEL if args.cpu_dry_run else GPU_MODEL), []
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as scratch:
         scratch = Path(scratch)
-        write = write_random_qwen3_5 if args.family == "qwen3_5" else write_random_qwen3
-        args.model = write(scratch / args.family, shape)
+        spec = get_family(args.family)
+        args.model = write_random_model(spec, scratch / args.family, shape)
         print(f"(a) one rank, {shape['rows']} x {shape['seq_len']} tokens per step, {args.steps} steps")
         single = run_part(args, 1, 1, 1, scratch / "single.json", args.timeout)
         if single is None:
@@ -295,9 +270,10 @@ def main() -> None:
         if gpus < 2:
             print("(b) skipped: one GPU (CP, TP and FSDP need two or more)")
         elif single is not None:
-            tp, cp = (2, 1) if args.cpu_dry_run else (2 if gpus >= 4 else 1, 2)
-            if args.family == "qwen3_5":  # no CP in TorchTitan's Qwen3.5; on CPU its torch kernels run unsharded
-                tp, cp = (1, 1) if args.cpu_dry_run else (2, 1)
+            if args.cpu_dry_run:  # SDPA has no CPU sharding rule for CP; some families' kernels no TP on CPU
+                tp, cp = (1, 1) if spec.cpu_tp_cp_refusal else (2, 1)
+            else:  # without CP in the family, TP splits the sequences
+                tp, cp = (2 if gpus >= 4 else 1, 2) if spec.context_parallel else (2, 1)
             dp = gpus // (tp * cp)
             print(f"(b) dp_shard={dp} x tp={tp} x cp={cp} against one rank")
             sharded = run_part(args, dp, tp, cp, scratch / "sharded.json", args.timeout)

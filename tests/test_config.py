@@ -127,6 +127,13 @@ def test_invalid_values_fail_with_the_key_named(override, message):
         validate(config(override, "model.path=/no/such/dir"))
 
 
+def test_context_parallel_is_refused_at_start_for_a_family_without_it():
+    gpus = ("trainer.accelerator=gpu", "trainer.devices=2", "parallelism.cp=2")
+    validate(config(*gpus))  # Qwen3 has it
+    with pytest.raises(ConfigError, match="parallelism.cp=2 with model.family=qwen3_5: .* parallelism.tp instead"):
+        validate(config(*gpus, "model.tiny.family=qwen3_5"))
+
+
 def test_missing_model_path_names_the_fix():
     with pytest.raises(ConfigError, match="model.path"):
         validate(config("experiment=appworld_canopy"))

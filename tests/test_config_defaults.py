@@ -9,7 +9,7 @@ import pytest
 from omegaconf import DictConfig, OmegaConf
 
 from canopy.build import build_env, build_module
-from canopy.config import SCHEMAS, compose_config
+from canopy.config import SCHEMAS, SECTIONS, compose_config, validate
 from canopy.datamodules.rollout import RolloutDataModule
 from canopy.envs.appworld import environment_kwargs as appworld_kwargs
 from canopy.errors import ConfigError
@@ -121,7 +121,22 @@ def test_schema_defaults_are_written_once():
 
 @pytest.mark.parametrize(
     "override,problem",
-    [("env.pool.wokers=2", "not in 'PoolSettings'"), ("env.sandbox.memory_mb=lots", "converted to Integer")],
+    [
+        ("env.pool.wokers=2", "not in 'PoolSettings'"),
+        ("env.sandbox.memory_mb=lots", "converted to Integer"),
+        ("algorithm.kl_coeff=0.1", "not in 'AlgorithmSettings'"),
+        ("algorithm.adaptive_group.tau=high", "converted to Float"),
+        ("optim.lr=fast", "converted to Float"),
+        ("trainer.memory_check=maybe", "not a valid bool"),
+        ("trainer.max_steps=1.5", "converted to Integer"),
+        ("data.task_per_step=4", "not in 'DataSettings'"),
+        ("budget.max_turn=4", "not in 'BudgetSettings'"),
+        ("sampling.temperature=hot", "converted to Float"),
+        ("eval.enlarged.sampling.top_kk=5", "not in 'SamplingParams'"),
+        ("model.famly=qwen3", "not in 'ModelSettings'"),
+        ("report.eval_samples=3", "not in 'ReportSettings'"),
+        ("trajectories.max_disk_mb=big", "converted to Float"),
+    ],
 )
 def test_a_typo_or_mistyped_schema_key_fails_at_composition(override, problem):
     from hydra.errors import ConfigCompositionException
@@ -159,3 +174,58 @@ def test_appworld_settings_come_from_their_own_config_file(tmp_path, monkeypatch
         monkeypatch.setenv("CANOPY_APPWORLD_PYTHON", str(tmp_path / "missing"))
         appworld_kwargs(cfg.env)
     assert "appworld" not in config("env=python_tasks").env  # AppWorld's keys live in conf/env/appworld.yaml
+
+
+def test_each_section_schema_types_exactly_the_keys_train_yaml_sets():
+    """A section typed by a schema holding no defaults (canopy/config.py SECTIONS) gets every value from the YAML:
+    none left unset, none the schema does not know (which composition would refuse)."""
+    for overrides in ([], ["experiment=appworld_canopy"], ["experiment=swebench_canopy"], ["experiment=testbed"]):
+        cfg = config(*overrides)
+        assert OmegaConf.missing_keys(cfg) == set()
+        for node, schema in SECTIONS.items():
+            assert OmegaConf.get_type(cfg[node]) is schema
+            assert isinstance(OmegaConf.to_object(cfg[node]), schema)
+
+
+@pytest.mark.parametrize(
+    "argv,line",
+    [
+        (
+            ["algorithm.kl_coeff=1"],
+            "algorithm.kl_coeff is not a key of AlgorithmSettings: did you mean algorithm.kl_coef",
+        ),
+        (["env.pool.wokers=3"], "env.pool.wokers is not a key of PoolSettings: did you mean env.pool.workers?"),
+        (["optim.lr=fast"], "optim.lr: Value 'fast' of type 'str' could not be converted to Float"),
+        (["budget=huge"], "Could not find 'budget/huge': use one of embedded, embedded_enlarged, enlarged, swebench"),
+        (["seed"], "Error parsing override 'seed': missing EQUAL"),
+    ],
+)
+def test_a_bad_command_line_is_one_line_naming_the_fix(argv, line):
+    from canopy.config import check_command_line
+
+    with pytest.raises(ConfigError) as error:
+        check_command_line(argv, "train")
+    assert line in str(error.value) and "\n" not in str(error.value)
+    check_command_line(["--cfg", "job", *argv], "train")  # flags: left to Hydra
+
+
+def test_train_py_stops_on_a_typo_with_one_line():
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "train.py", "algorithm.kl_coeff=0.1"], cwd=CONF.parent, capture_output=True, text=True
+    )
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines() == [
+        "config error: algorithm.kl_coeff is not a key of AlgorithmSettings: did you mean algorithm.kl_coef?"
+    ]
+
+
+def test_a_key_added_to_a_schema_node_is_refused_not_ignored():
+    """`+algorithm.kl_coeff=...` passes composition (the `+` adds the key); the settings it would silently skip are
+    refused at start instead."""
+    with pytest.raises(ConfigError, match="algorithm.kl_coeff is not a key of AlgorithmSettings"):
+        validate(config("+algorithm.kl_coeff=0.1"))
+    with pytest.raises(ConfigError, match="algorithm.adaptive_group.tauu is not a key of AdaptiveGroupSettings"):
+        validate(config("+algorithm.adaptive_group.tauu=0.5"))

@@ -3,13 +3,8 @@ import torch
 from transformers import AutoTokenizer, Qwen3ForCausalLM
 
 from canopy.errors import ConfigError
-from canopy.modules.policy import (
-    export_hf_state_dict,
-    iter_hf_weights,
-    load_policy,
-    read_hf_config,
-    write_hf_checkpoint,
-)
+from canopy.models.hf_checkpoint import write_hf_checkpoint
+from canopy.modules.policy import export_hf_state_dict, iter_hf_weights, load_policy, read_hf_config
 
 
 def test_torchtitan_policy_matches_hf_exactly(tiny_path):

@@ -121,3 +121,12 @@ def test_tensor_parallel_qwen3_5_on_cpu_is_refused_in_one_line(qwen3_5_path):
 
     with pytest.raises(ConfigError, match="use parallelism.dp_shard \\(FSDP\\), or GPUs"):
         build_parallel_policy(qwen3_5_path, ParallelSettings(tp=2), 2, torch.device("cpu"))
+
+
+def test_context_parallel_qwen3_5_is_refused_at_start_even_on_gpus(qwen3_5_path):
+    """TorchTitan's Qwen3.5 has no context parallel (ModelSpec.context_parallel): refused before any GPU is used."""
+    from canopy.errors import ConfigError
+    from canopy.modules.parallel import ParallelSettings, build_parallel_policy
+
+    with pytest.raises(ConfigError, match="parallelism.cp=2 with model family qwen3_5: .* with parallelism.tp"):
+        build_parallel_policy(qwen3_5_path, ParallelSettings(cp=2), 2, torch.device("cuda"))

@@ -19,13 +19,27 @@ import torch.distributed as dist
 
 from canopy.coverage import SuccessEstimates, allocate_rollouts, group_composition, group_size_for_coverage
 from canopy.envs.base import Environment, SystemicFaultError, Task
-from canopy.errors import ConfigError
+from canopy.errors import ConfigError, require
 from canopy.modules.parallel import alone_on_rank0, data_parallel_rank
 from canopy.objective import step_advantages
 from canopy.rollout.agent_loop import Budget, Trajectory, run_episodes
 from canopy.rollout.engine import EngineHandle, SamplingParams
 from canopy.rollout.faults import check_systemic_faults
 from canopy.rollout_batch import RolloutBatch
+
+
+@dataclass
+class DataSettings:
+    """`data.*`, which tasks a step samples: the schema (conf/train.yaml holds the defaults)."""
+
+    tasks_per_step: int
+    split: str
+    drop_hardest: bool
+    hardest_tier: int | None  # null: the highest tier of the pool
+
+    def validate(self) -> None:
+        require(self.tasks_per_step >= 1, f"data.tasks_per_step={self.tasks_per_step} must be >= 1")
+
 
 COMPOSITIONS = ("all_fail", "all_success", "mixed")  # Fig. 3
 

@@ -53,6 +53,7 @@ class ModelSpec:
     chat: ChatMarkers
     hf_on_cpu: Callable[[], None] | None = None  # makes transformers' model of the family run on CPU (local engine)
     cpu_tp_cp_refusal: str | None = None  # why TP / CP > 1 cannot run on CPU (the one-line error); None: they can
+    context_parallel: bool = True  # whether its TorchTitan model shards sequences (parallelism.cp > 1)
     gated_delta_rule: str | None = None  # where the model calls its Gated DeltaNet kernel (the memory plan's stand-in)
 
 

@@ -2,12 +2,15 @@
 
 import time
 import warnings
+from dataclasses import dataclass, field
+from typing import Any
 
 import lightning as L
 import torch
 from lightning.fabric.utilities.apply_func import move_data_to_device
 
-from canopy.errors import ConfigError
+from canopy.coverage import AdaptiveGroupSettings
+from canopy.errors import ConfigError, is_int, require
 from canopy.mismatch import OffPolicyError, RolloutCorrection, correction_metrics, mismatch_metrics, sequence_log_ratio
 from canopy.modules.logprobs import model_token_logprobs, padded_width, sequence_inputs
 from canopy.modules.parallel import (
@@ -34,6 +37,105 @@ CP_SEQ_MEAN = (
     "algorithm.loss_aggregation=seq-mean with parallelism.cp > 1: per-sequence means need whole sequences on a rank; "
     "use token-mean (the recipe) or parallelism.cp=1"
 )
+
+
+@dataclass
+class AlgorithmSettings:
+    """`algorithm.*`, the recipe's knobs (Table A1): the schema. conf/train.yaml holds the defaults and says what each
+    key means; the data module reads the group size, reward and quarantine keys, this module the rest."""
+
+    group_size: Any  # n >= 2, or "auto"
+    adaptive_group: AdaptiveGroupSettings
+    kl_coef: float
+    clip_low: float
+    clip_high: float
+    loss_aggregation: str
+    reward: str
+    entropy_coef: float
+    minibatches_per_step: int
+    quarantine_as_failure: bool
+    rollout_correction: RolloutCorrection = field(default_factory=RolloutCorrection)
+
+    def validate(self) -> None:
+        require(
+            self.group_size == "auto" or (is_int(self.group_size) and self.group_size >= 2),
+            f"algorithm.group_size={self.group_size}: group-relative advantages need >= 2 rollouts per task; set "
+            "algorithm.group_size >= 2, or auto (Eq. 5 per task, algorithm.adaptive_group)",
+        )
+        self.adaptive_group.validate()
+        require(self.kl_coef >= 0, f"algorithm.kl_coef={self.kl_coef} must be >= 0 (0 disables the KL anchor, no_kl)")
+        require(
+            0 <= self.clip_low < 1 and self.clip_high >= 0,
+            f"algorithm.clip_low={self.clip_low} / clip_high={self.clip_high}: need 0 <= clip_low < 1 and "
+            "clip_high >= 0",
+        )
+        require(
+            self.loss_aggregation in ("token-mean", "seq-mean"),
+            f"algorithm.loss_aggregation={self.loss_aggregation!r} is unknown: use token-mean (the recipe) or seq-mean",
+        )
+        require(self.reward in ("sparse", "dense"), f"algorithm.reward={self.reward!r} is unknown: use sparse or dense")
+        require(self.entropy_coef >= 0, f"algorithm.entropy_coef={self.entropy_coef} must be >= 0 (the recipe uses 0)")
+        require(
+            self.minibatches_per_step >= 1,
+            f"algorithm.minibatches_per_step={self.minibatches_per_step}: use 1 (strict on-policy) up to the episodes "
+            "per step",
+        )
+
+    def mean_group_size(self) -> int:
+        """Rollouts per task on average: `group_size`, or with `auto` its `adaptive_group.mean`."""
+        return self.adaptive_group.mean if self.group_size == "auto" else self.group_size
+
+
+@dataclass
+class OptimSettings:
+    """`optim.*`, AdamW's: the schema (conf/train.yaml holds the defaults)."""
+
+    lr: float
+    betas: list[float]
+    weight_decay: float
+    grad_clip: float | None  # null: off
+
+    def validate(self) -> None:
+        require(self.lr > 0, f"optim.lr={self.lr} must be > 0")
+        require(
+            len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas),
+            f"optim.betas={list(self.betas)} must be two numbers in [0, 1), e.g. [0.9, 0.999]",
+        )
+        require(self.weight_decay >= 0, f"optim.weight_decay={self.weight_decay} must be >= 0")
+        require(
+            self.grad_clip is None or self.grad_clip > 0, f"optim.grad_clip={self.grad_clip} must be null (off) or > 0"
+        )
+
+
+@dataclass
+class TrainerSettings:
+    """`trainer.*`, Lightning's Trainer and this module's batching: the schema (conf/train.yaml holds the defaults)."""
+
+    max_steps: int
+    accelerator: str
+    devices: int
+    num_nodes: int
+    rollout_timeout_s: int
+    micro_batch_tokens: int
+    logprob_chunk_tokens: int
+    precision: str
+    memory_check: bool
+    gpu_memory_gib: float | None
+
+    def validate(self) -> None:
+        for key in ("max_steps", "devices", "num_nodes", "micro_batch_tokens", "logprob_chunk_tokens"):
+            require(getattr(self, key) >= 1, f"trainer.{key}={getattr(self, key)} must be a positive integer")
+        require(
+            self.rollout_timeout_s > 0,
+            f"trainer.rollout_timeout_s={self.rollout_timeout_s} must be a positive integer: how long the other ranks "
+            "wait for rank 0's rollout step or evaluation",
+        )
+        require(
+            self.gpu_memory_gib is None or self.gpu_memory_gib > 0,
+            f"trainer.gpu_memory_gib={self.gpu_memory_gib} must be null (the device's own) or the GPU's memory in "
+            "GiB, e.g. 79.6 for an H100 80 GB",
+        )
+
 
 BENIGN_WARNINGS = (
     r"You are using the `dataloader_iter` step flavor",  # the step pulls its batch once the synced weights are in

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Shard
 
-from canopy.errors import ConfigError
+from canopy.errors import ConfigError, require
 from canopy.models import family_of
 from canopy.modules.policy import read_hf_config
 
@@ -39,6 +39,23 @@ class ParallelSettings:
     sequence_parallel: bool = True
     mixed_precision: str = "float32"  # FSDP compute dtype: float32 | bfloat16 (reductions stay float32)
     activation_checkpointing: str = "none"  # none | full | selective (TorchTitan's per-block policies)
+
+    @property
+    def world(self) -> int:
+        return self.dp_replicate * self.dp_shard * self.tp * self.cp
+
+    def validate(self) -> None:
+        for key in ("dp_replicate", "dp_shard", "tp", "cp"):
+            require(getattr(self, key) >= 1, f"parallelism.{key}={getattr(self, key)} must be a positive integer")
+        require(
+            self.mixed_precision in ("float32", "bfloat16"),
+            f"parallelism.mixed_precision={self.mixed_precision!r} is unknown: use float32 or bfloat16",
+        )
+        require(
+            self.activation_checkpointing in ("none", "full", "selective"),
+            f"parallelism.activation_checkpointing={self.activation_checkpointing!r} is unknown: use none, full or "
+            "selective",
+        )
 
 
 def activation_checkpointing_config(mode: str):
@@ -78,6 +95,11 @@ def build_parallel_policy(
     spec = family_of(hf)
     if spec.cpu_tp_cp_refusal and (settings.tp > 1 or settings.cp > 1) and device.type == "cpu":
         raise ConfigError(spec.cpu_tp_cp_refusal)
+    if settings.cp > 1 and not spec.context_parallel:
+        raise ConfigError(
+            f"parallelism.cp={settings.cp} with model family {spec.name}: its TorchTitan model has no context "
+            "parallel; split long sequences with parallelism.tp instead (docs/memory.md)"
+        )
 
     if settings.dp_replicate * settings.dp_shard * settings.tp * settings.cp != world_size:
         raise ConfigError(

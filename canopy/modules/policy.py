@@ -7,14 +7,10 @@ unchanged.
 """
 
 import json
-import os
-import shutil
-import tempfile
-from collections.abc import Iterable
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch.distributed.tensor import DTensor
 
 from canopy.errors import ConfigError
@@ -80,50 +76,3 @@ def iter_hf_weights(model: torch.nn.Module, adapter: Checkpoint, gather=unwrap):
 def export_hf_state_dict(model: torch.nn.Module, adapter: Checkpoint) -> dict[str, torch.Tensor]:
     """The policy's weights under HF names, as the engines load them (a collective when sharded)."""
     return dict(iter_hf_weights(model, adapter))
-
-
-def write_hf_checkpoint(
-    named_tensors: Iterable[tuple[str, torch.Tensor]],
-    base_path: str | Path,
-    out_dir: str | Path,
-    dtype: torch.dtype | None = None,
-    shard_bytes: int = 4 << 30,
-) -> Path:
-    """Stream (HF name, tensor) pairs into an HF checkpoint directory: safetensors shards of about `shard_bytes`
-    written as the tensors come (never the whole model in memory) + their index + the base checkpoint's other
-    files (config, tokenizer). Staged next to `out_dir` and renamed into place: never half-written."""
-    out_dir = Path(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
-    try:
-        weight_map, shard, size, total = {}, {}, 0, 0
-        for name, tensor in named_tensors:
-            shard[name] = tensor.detach().to("cpu", dtype or tensor.dtype).contiguous()
-            size += shard[name].nbytes
-            if size >= shard_bytes:
-                total += _save_shard(staging, shard, weight_map)
-                shard, size = {}, 0
-        if shard or not weight_map:
-            total += _save_shard(staging, shard, weight_map)
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        (staging / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-        for file in Path(base_path).iterdir():
-            if file.is_file() and not any(file.match(pattern) for pattern in WEIGHT_FILES):
-                shutil.copy2(file, staging / file.name)
-        if out_dir.exists():  # a resumed run re-writes the version it stopped at
-            shutil.rmtree(out_dir)
-        os.replace(staging, out_dir)
-        return out_dir
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-
-
-WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.index.json")  # not copied from the base checkpoint
-
-
-def _save_shard(directory: Path, shard: dict[str, torch.Tensor], weight_map: dict[str, str]) -> int:
-    name = f"model-{len(set(weight_map.values())) + 1:05d}.safetensors"
-    save_file(shard, directory / name, metadata={"format": "pt"})
-    weight_map.update(dict.fromkeys(shard, name))
-    return sum(t.nbytes for t in shard.values())

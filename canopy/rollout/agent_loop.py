@@ -13,10 +13,12 @@ import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, fields
+from typing import Any
 
 from tqdm.auto import tqdm
 
 from canopy.envs.base import AgentFailure, Environment, EnvironmentFault, Episode, Task, Verdict
+from canopy.errors import require
 from canopy.models import DEFAULT_FAMILY, MODEL_FAMILIES
 from canopy.models.spec import ChatMarkers
 from canopy.rollout.engine import EngineFault, SamplingParams
@@ -39,6 +41,35 @@ class Budget:
     def of(cls, budget) -> "Budget":
         """From the `budget` config group (its other keys, such as its name, are not the episode's)."""
         return cls(**{key.name: budget[key.name] for key in fields(cls)})
+
+
+@dataclass
+class BudgetSettings:
+    """A `budget` config group (conf/budget/*.yaml, each a whole budget of Table 2 / A3): the schema. The episode
+    reads its `Budget`; `rope_scaling` is the engine's (the enlarged budget's YaRN)."""
+
+    name: str
+    max_turns: int
+    max_response_tokens: int
+    max_prompt_tokens: int
+    max_observation_tokens: int
+    max_context_tokens: int
+    per_turn_generation_cap: int | None  # null: uncapped
+    rope_scaling: dict[str, Any] | None
+
+    def validate(self, key: str = "budget") -> None:
+        for name in ("max_turns", "max_response_tokens", "max_prompt_tokens", "max_observation_tokens"):
+            require(getattr(self, name) >= 1, f"{key}.{name}={getattr(self, name)} must be a positive integer")
+        require(
+            self.per_turn_generation_cap is None or self.per_turn_generation_cap >= 1,
+            f"{key}.per_turn_generation_cap={self.per_turn_generation_cap} must be null (uncapped) or a positive "
+            "integer",
+        )
+        require(
+            self.max_prompt_tokens < self.max_context_tokens,
+            f"{key}.max_prompt_tokens={self.max_prompt_tokens} must be below "
+            f"{key}.max_context_tokens={self.max_context_tokens}",
+        )
 
 
 @dataclass

@@ -18,10 +18,11 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
+from canopy.errors import require
 from canopy.models import family_of
 
 
-@dataclass(frozen=True)
+@dataclass
 class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
@@ -31,6 +32,12 @@ class SamplingParams:
     def of(cls, sampling) -> "SamplingParams":
         """From the `sampling` config group."""
         return cls(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k)
+
+    def validate(self, key: str = "sampling") -> None:
+        """`sampling.*` (a budget group's, whose schema this is): one line naming the fix on the first bad value."""
+        require(self.temperature > 0, f"{key}.temperature={self.temperature} must be > 0")
+        require(0 < self.top_p <= 1, f"{key}.top_p={self.top_p} must lie in (0, 1]")
+        require(self.top_k == -1 or self.top_k >= 1, f"{key}.top_k={self.top_k}: use -1 (off) or >= 1")
 
 
 class EngineFault(RuntimeError):

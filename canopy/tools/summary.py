@@ -1,10 +1,12 @@
 """End-of-run report: base vs final success on the training tasks, by tier."""
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import lightning as L
 
+from canopy.errors import require
 from canopy.eval.metrics import summarize
 from canopy.eval.runner import sample_runs
 from canopy.modules.parallel import alone_on_rank0
@@ -26,6 +28,19 @@ def success_by_tier(datamodule, samples_per_task: int, description: str) -> dict
         max_quarantine_fraction=dm.max_quarantine_fraction,
     ).runs
     return {tier: row["tgc_mean"] for tier, row in summarize(dm.tasks, runs).items()}
+
+
+@dataclass
+class ReportSettings:
+    """`report.*`: the schema (conf/train.yaml holds the defaults)."""
+
+    eval_samples_per_task: int  # > 0: evaluate base and final policy on the training tasks at the end of training
+
+    def validate(self) -> None:
+        require(
+            self.eval_samples_per_task >= 0,
+            f"report.eval_samples_per_task={self.eval_samples_per_task} must be 0 (off) or a positive integer",
+        )
 
 
 class BaseSuccess(L.Callback):

@@ -78,5 +78,6 @@ SPEC = ModelSpec(
         "parallelism.tp / cp > 1 with Qwen3.5 on CPU: its torch Gated DeltaNet kernels run unsharded; use "
         "parallelism.dp_shard (FSDP), or GPUs"
     ),
+    context_parallel=False,  # TorchTitan's Qwen3.5 has no CP: SWE-bench's long rows are split by TP (docs/memory.md)
     gated_delta_rule="canopy.models.qwen3_5.model.chunk_gated_delta_rule",
 )

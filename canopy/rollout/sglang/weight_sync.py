@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from canopy.modules.policy import write_hf_checkpoint
+from canopy.models.hf_checkpoint import write_hf_checkpoint
 from canopy.rollout.sglang.servers import Fleet
 from canopy.rollout.sglang.settings import SGLangSettings, checkpoint_dtype
 
