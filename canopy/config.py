@@ -87,6 +87,11 @@ def validate(cfg: DictConfig) -> None:
         f"algorithm.loss_aggregation={a.loss_aggregation!r} is unknown: use token-mean (the recipe) or seq-mean",
     )
     require(a.reward in ("sparse", "dense"), f"algorithm.reward={a.reward!r} is unknown: use sparse or dense")
+    require(
+        isinstance(a.advantage_std, bool),
+        f"algorithm.advantage_std={a.advantage_std!r} must be true (Eq. 3 divides by the group's std) or false "
+        "(centred only: ablation=no_std)",
+    )
     require(a.entropy_coef >= 0, f"algorithm.entropy_coef={a.entropy_coef} must be >= 0 (the recipe uses 0)")
     require(is_int(d.tasks_per_step) and d.tasks_per_step >= 1, f"data.tasks_per_step={d.tasks_per_step} must be >= 1")
     require(

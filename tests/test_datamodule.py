@@ -62,6 +62,9 @@ def test_score_groups_quarantines_before_advantages():
     # the sensitivity ablation scores the quarantined episode 0 instead: the group has 4 members again
     _, as_failure = score_groups(groups, "sparse", quarantine_as_failure=True)
     assert as_failure[0].item() == pytest.approx(math.sqrt(3))
+    # ablation=no_std: centred only, over the same 3 survivors
+    _, centred = score_groups(groups, "sparse", advantage_std=False)
+    assert centred.tolist() == pytest.approx([2 / 3, -1 / 3, -1 / 3, 0, 0, 0, 0])
 
 
 def test_score_groups_refuses_a_lost_episode():

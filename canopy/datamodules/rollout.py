@@ -75,13 +75,14 @@ def same_task_groups(trajectories: list[Trajectory], group_sizes: list[int]) -> 
 
 
 def score_groups(
-    groups: list[Group], reward_kind: str, quarantine_as_failure: bool = False
+    groups: list[Group], reward_kind: str, quarantine_as_failure: bool = False, advantage_std: bool = True
 ) -> tuple[list[Trajectory], torch.Tensor]:
     """Quarantine, then reward, then Eq. 3 (`step_advantages`) over the step's groups, padded to the largest.
     Returns the survivors, in order, and their advantages.
 
     With `quarantine_as_failure` (the sensitivity ablation of Appendix G) quarantined episodes are scored 0
-    instead of removed; they carry no tokens either way, since their trajectory is not the policy's doing.
+    instead of removed; they carry no tokens either way, since their trajectory is not the policy's doing. Without
+    `advantage_std` (the no_std ablation) the advantages are only centred by the group's mean.
     """
     shape = (len(groups), max(group.size for group in groups))
     present, quarantined, rewards = (
@@ -95,7 +96,7 @@ def score_groups(
         rewards[g, : group.size] = torch.tensor(
             [0.0 if t.quarantine else t.reward(reward_kind) for t in group.trajectories]
         )
-    advantages = step_advantages(rewards, quarantined, quarantine_as_failure, present)
+    advantages = step_advantages(rewards, quarantined, quarantine_as_failure, present, advantage_std)
     survivors = [t for group in groups for t in group.scored]
     return survivors, advantages[present & ~quarantined]
 
@@ -317,6 +318,7 @@ class RolloutDataModule(L.LightningDataModule):
         drop_hardest: bool = False,
         hardest_tier: int | None = None,
         quarantine_as_failure: bool = False,
+        advantage_std: bool = True,
         max_quarantine_fraction: float = 0.5,
         rollout_timeout_s: float = 14400.0,
         trajectory_log=None,
@@ -330,6 +332,7 @@ class RolloutDataModule(L.LightningDataModule):
         self.group_size, self.tasks_per_step = group_size, tasks_per_step
         self.budget, self.sampling, self.reward = budget, sampling, reward
         self.quarantine_as_failure, self.max_quarantine_fraction = quarantine_as_failure, max_quarantine_fraction
+        self.advantage_std = advantage_std
         self.seed, self.rollout_timeout_s, self.trajectory_log = seed, rollout_timeout_s, trajectory_log
         self.batches_delivered = 0  # rollout steps handed to the trainer by this process (every rank counts alike)
         self.split, self.drop_hardest, self.hardest_tier = split, drop_hardest, hardest_tier
@@ -437,7 +440,7 @@ class RolloutDataModule(L.LightningDataModule):
             f"rollout step {self.step}",
         )
         groups = same_task_groups(trajectories, sizes)
-        survivors, advantages = score_groups(groups, self.reward, self.quarantine_as_failure)
+        survivors, advantages = score_groups(groups, self.reward, self.quarantine_as_failure, self.advantage_std)
         stats = StepStats.of(groups, self.reward)
         if adaptive:
             self.group_size.observe(groups)
