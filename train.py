@@ -26,7 +26,7 @@ from canopy.modules.canopy_module import silence_benign_warnings
 from canopy.modules.checkpoint import AtomicCheckpoint
 from canopy.modules.policy import write_hf_checkpoint
 from canopy.tools.plots import training_plots
-from canopy.tools.summary import BaseSuccess, success_by_tier, write_summary
+from canopy.tools.summary import BaseSuccess, training_task_report, write_summary
 
 
 @hydra.main(config_path="conf", config_name="train", version_base="1.3")
@@ -61,7 +61,7 @@ def main(cfg: DictConfig) -> None:
             )
         )
     samples = cfg.report.eval_samples_per_task
-    base = BaseSuccess(samples) if samples else None  # the base policy's success, before the first rollout
+    base = BaseSuccess(samples) if samples else None  # the base policy's report, before the first rollout
     trainer = L.Trainer(
         accelerator=cfg.trainer.accelerator,
         devices=cfg.trainer.devices,
@@ -94,9 +94,9 @@ def main(cfg: DictConfig) -> None:
     final_dir = write_hf_checkpoint(final_weights, model_path, run_dir / "final_hf")
     plots = training_plots(logger.log_dir, run_dir, mean_group_size(cfg))
     if base is not None:
-        final = success_by_tier(datamodule, samples, "evaluating final policy")
-        table = write_summary(run_dir, base.result, final)
-        print(f"\nSuccess on the training tasks ({samples} samples per task):\n{table}")
+        final = training_task_report(datamodule, samples, "evaluating final policy")
+        tables = write_summary(run_dir, base.result, final)
+        print(f"\nSuccess on the training tasks ({samples} samples per task):\n{tables}")
     if datamodule.trajectory_log is not None:
         datamodule.trajectory_log.close()  # what the last evaluations queued
     viewer = next((c for c in callbacks if isinstance(c, RolloutViewer)), None)

@@ -227,6 +227,30 @@ def test_step_stats_are_what_the_callbacks_read():
     assert stats.scored_per_group == 3.5
 
 
+def test_invalid_action_share_counts_the_scored_episodes_actions_by_tier():
+    """health/invalid_action_frac: invalid actions over the actions the environment answered, pooled over the scored
+    episodes, overall and per tier; a quarantined episode's actions are left out with it."""
+    a, b, c = Task("a", 1, "s"), Task("b", 3, "s"), Task("c", 2, "s")
+    trajectories = [trajectory(a, i, i == 0) for i in range(4)]
+    trajectories += [trajectory(b, i, False) for i in range(3)] + [trajectory(b, 3, quarantine="worker_killed")]
+    trajectories += [trajectory(c, i, False) for i in range(2)]
+    answered = [(3, []), (4, [2]), (2, [1, 2]), (1, []), (5, [1, 2, 3]), (0, []), (5, [5]), (3, [1, 2, 3])]
+    answered += [(0, []), (0, [])]  # tier 2: every episode ended before the environment answered anything
+    for t, (actions, invalid) in zip(trajectories, answered):
+        t.actions, t.invalid_turns = actions, invalid
+    stats = StepStats.of(same_task_groups(trajectories, [4, 4, 2]), "sparse")
+    health = {k: v for k, v in stats.metrics.items() if k.startswith("health/")}
+    # tier 1: 3 invalid of 10 answered; tier 3: 4 of 10 (the quarantined episode's 3 of 3 are not counted)
+    assert health == {
+        "health/invalid_action_frac": pytest.approx(7 / 20),
+        "health/invalid_action_frac_tier1": pytest.approx(3 / 10),
+        "health/invalid_action_frac_tier3": pytest.approx(4 / 10),
+    }
+    assert stats.invalid_example == ("a", 1)  # the first scored episode with an invalid action: what the monitor names
+    silent = StepStats.of(same_task_groups(trajectories[-2:], [2]), "sparse")
+    assert not any(k.startswith("health/") for k in silent.metrics) and silent.invalid_example is None
+
+
 def test_every_batch_carries_its_step_stats(tokenizer):
     dm = datamodule(tokenizer, ScriptedEngine(tokenizer, ["login"]), group_size=2)
     batch = dm.next_batch()

@@ -10,7 +10,7 @@ import pytest
 from transformers import AutoTokenizer, Qwen3ForCausalLM
 
 from canopy.build import build_datamodule
-from canopy.tools.summary import success_by_tier
+from canopy.tools.summary import training_task_report
 from canopy.tools.tb_scalars import read_scalars
 from canopy.trajectories import read_index, read_step
 from tests.test_config import config
@@ -44,6 +44,7 @@ REQUIRED_TAGS = [
     "coverage/mixed",
     "coverage/all_fail",
     "coverage/all_success",
+    "health/invalid_action_frac",
 ]
 
 
@@ -87,6 +88,8 @@ def test_short_training_run(short_run):
     AutoTokenizer.from_pretrained(final)
     summary = json.loads((run_dir / "summary.json").read_text())
     assert set(summary["base"]) == {"all", "tier1", "tier2", "tier3"} == set(summary["final"])
+    assert all(0 <= v <= 1 for when in ("base", "final") for v in summary["invalid_action_frac"][when].values())
+    assert "all" in summary["invalid_action_frac"]["final"] and "Invalid actions" in run.stdout
     assert (run_dir / "learning_curve.png").stat().st_size > 10_000
     assert "Success on the training tasks" in run.stdout
     # every step's episodes are logged (4 tasks x 4 rollouts), and the budget-transfer evaluations at the end
@@ -118,7 +121,7 @@ def test_base_policy_of_the_embedded_default(tmp_path):
     from canopy.build import ensure_model
 
     datamodule = build_datamodule(cfg, ensure_model(cfg))
-    rates = success_by_tier(datamodule, samples_per_task=16, description="base")
+    rates = training_task_report(datamodule, samples_per_task=16, description="base")["success"]
     assert rates["tier3"] <= 0.1
     assert 0.3 <= rates["tier1"] <= 0.8
     assert rates["tier1"] > rates["tier2"] > rates["tier3"]

@@ -112,16 +112,22 @@ class StepStats:
     groups_by_tier: dict[int, int] = field(default_factory=dict)
     scored_per_group: float = 0.0  # rollouts left per group after quarantine: Eq. 4's n
     scored_sizes_by_tier: dict[int, list[int]] = field(default_factory=dict)  # each group's n, by tier
+    invalid_example: tuple[str, int] | None = None  # (task id, sample index): the first episode with an invalid action
     metrics: dict[str, float] = field(default_factory=dict)  # rollout/ quarantine/ reward/ success/ ... coverage/
 
     @classmethod
     def of(cls, groups: list[Group], reward_kind: str) -> "StepStats":
-        """Per episode: rewards, lengths, turns, truncation, endings and the quarantine reasons; per group (Fig. 3):
-        its tier, scored n, successes and composition (`coverage/<kind>[_tier<K>]`, `coverage/group_size[_tier<K>]`).
+        """Per episode: rewards, lengths, turns, truncation, endings, invalid actions and the quarantine reasons; per
+        group (Fig. 3): its tier, scored n, successes and composition (`coverage/<kind>[_tier<K>]`,
+        `coverage/group_size[_tier<K>]`). Format health, `health/invalid_action_frac[_tier<K>]`: the share of the
+        actions the environment answered that were invalid for it (`StepResult.valid`), over the scored episodes, as
+        every per-episode statistic: a quarantined episode's actions are left out with it (a fault cut it short).
         """
         quarantined, endings, outcomes, tampers = Counter(), Counter(), Counter(), Counter()
         rewards, response_tokens, turns, truncated = [], 0, 0, 0
         by_tier: dict[int, list[Group]] = defaultdict(list)
+        actions: dict[int, list[int]] = defaultdict(lambda: [0, 0])  # tier -> [invalid actions, actions answered]
+        invalid_example = None
         for group in groups:
             by_tier[group.task.tier].append(group)
             for t in group.trajectories:
@@ -133,6 +139,10 @@ class StepStats:
                 turns += t.num_turns
                 truncated += t.truncated
                 endings[t.ending] += 1
+                actions[group.task.tier][0] += len(t.invalid_turns)
+                actions[group.task.tier][1] += t.actions
+                if t.invalid_turns and invalid_example is None:
+                    invalid_example = (t.task.task_id, t.sample_index)
                 if t.verdict and t.verdict.outcome:
                     outcomes[t.verdict.outcome] += 1  # an environment's named endings (SWE-bench: resolved, ...)
                 if t.verdict and t.verdict.tamper:
@@ -160,6 +170,12 @@ class StepStats:
             metrics.update({f"ending/{ending}": count / scored for ending, count in endings.items()})
             metrics.update({f"outcome/{outcome}": count for outcome, count in outcomes.items()})
             metrics.update({f"outcome/tamper_{action}": count for action, count in tampers.items()})
+        invalid, answered = (sum(counts[i] for counts in actions.values()) for i in (0, 1))
+        if answered:
+            metrics["health/invalid_action_frac"] = invalid / answered
+            metrics.update(
+                {f"health/invalid_action_frac_tier{tier}": bad / n for tier, (bad, n) in sorted(actions.items()) if n}
+            )
         n_groups = max(1, len(groups))
         compositions = Counter(group.composition for group in groups)
         metrics.update({f"coverage/{kind}": compositions[kind] / n_groups for kind in COMPOSITIONS})
@@ -178,6 +194,7 @@ class StepStats:
             scored_sizes_by_tier={
                 tier: [len(group.scored) for group in tier_groups] for tier, tier_groups in by_tier.items()
             },
+            invalid_example=invalid_example,
             metrics=metrics,
         )
 
