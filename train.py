@@ -15,7 +15,7 @@ from canopy.build import (
     build_strategy,
     ensure_model,
 )
-from canopy.callbacks import RolloutViewer, build_callbacks
+from canopy.callbacks import FormatDriftError, RolloutViewer, build_callbacks
 from canopy.config import mean_group_size, validate
 from canopy.envs.base import SystemicFaultError
 from canopy.errors import ConfigError
@@ -78,13 +78,16 @@ def main(cfg: DictConfig) -> None:
     )
     if trainer.is_global_zero:
         print(OmegaConf.to_yaml(cfg, resolve=True))
+    viewer = next((c for c in callbacks if isinstance(c, RolloutViewer)), None)
     try:
         trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.checkpoint.resume)
-    except (SystemicFaultError, OffPolicyError, ConfigError) as error:  # every rank stops; rank 0 says why
-        datamodule.teardown("fit")
+    except (SystemicFaultError, OffPolicyError, ConfigError, FormatDriftError) as error:
+        datamodule.teardown("fit")  # every rank stops; rank 0 says why
         engine.close()
-        kind = {SystemicFaultError: "environment error", OffPolicyError: "off-policy"}.get(type(error), "config error")
-        sys.exit(f"{kind}: {error}" if trainer.is_global_zero else 1)
+        if isinstance(error, FormatDriftError) and viewer and trainer.is_global_zero:
+            viewer.final(run_dir)  # the page its message points at, with the episodes logged up to the stop
+        kind = {SystemicFaultError: "environment error", OffPolicyError: "off-policy", FormatDriftError: "format drift"}
+        sys.exit(f"{kind.get(type(error), 'config error')}: {error}" if trainer.is_global_zero else 1)
 
     final_weights = module.iter_hf_weights()  # a collective when sharded: every rank walks it, rank 0 writes it
     if not trainer.is_global_zero:
@@ -99,7 +102,6 @@ def main(cfg: DictConfig) -> None:
         print(f"\nSuccess on the training tasks ({samples} samples per task):\n{tables}")
     if datamodule.trajectory_log is not None:
         datamodule.trajectory_log.close()  # what the last evaluations queued
-    viewer = next((c for c in callbacks if isinstance(c, RolloutViewer)), None)
     page = viewer.final(run_dir) if viewer else None
     finish_loggers(loggers, run_dir)
     engine.close()
