@@ -15,7 +15,7 @@ from canopy.build import (
     build_strategy,
     ensure_model,
 )
-from canopy.callbacks import RolloutViewer, build_callbacks
+from canopy.callbacks import FormatDriftError, RolloutViewer, build_callbacks
 from canopy.config import check_command_line, mean_group_size, validate
 from canopy.envs.base import SystemicFaultError
 from canopy.errors import ConfigError
@@ -26,7 +26,7 @@ from canopy.models.hf_checkpoint import write_hf_checkpoint
 from canopy.modules.canopy_module import silence_benign_warnings
 from canopy.modules.checkpoint import AtomicCheckpoint
 from canopy.tools.plots import training_plots
-from canopy.tools.summary import BaseSuccess, success_by_tier, write_summary
+from canopy.tools.summary import BaseSuccess, training_task_report, write_summary
 
 
 @hydra.main(config_path="conf", config_name="train", version_base="1.3")
@@ -61,7 +61,7 @@ def main(cfg: DictConfig) -> None:
             )
         )
     samples = cfg.report.eval_samples_per_task
-    base = BaseSuccess(samples) if samples else None  # the base policy's success, before the first rollout
+    base = BaseSuccess(samples) if samples else None  # the base policy's report, before the first rollout
     trainer = L.Trainer(
         accelerator=cfg.trainer.accelerator,
         devices=cfg.trainer.devices,
@@ -78,13 +78,16 @@ def main(cfg: DictConfig) -> None:
     )
     if trainer.is_global_zero:
         print(OmegaConf.to_yaml(cfg, resolve=True))
+    viewer = next((c for c in callbacks if isinstance(c, RolloutViewer)), None)
     try:
         trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.checkpoint.resume)
-    except (SystemicFaultError, OffPolicyError, ConfigError) as error:  # every rank stops; rank 0 says why
-        datamodule.teardown("fit")
+    except (SystemicFaultError, OffPolicyError, ConfigError, FormatDriftError) as error:
+        datamodule.teardown("fit")  # every rank stops; rank 0 says why
         engine.close()
-        kind = {SystemicFaultError: "environment error", OffPolicyError: "off-policy"}.get(type(error), "config error")
-        sys.exit(f"{kind}: {error}" if trainer.is_global_zero else 1)
+        if isinstance(error, FormatDriftError) and viewer and trainer.is_global_zero:
+            viewer.final(run_dir)  # the page its message points at, with the episodes logged up to the stop
+        kind = {SystemicFaultError: "environment error", OffPolicyError: "off-policy", FormatDriftError: "format drift"}
+        sys.exit(f"{kind.get(type(error), 'config error')}: {error}" if trainer.is_global_zero else 1)
 
     final_weights = module.iter_hf_weights()  # a collective when sharded: every rank walks it, rank 0 writes it
     if not trainer.is_global_zero:
@@ -94,12 +97,11 @@ def main(cfg: DictConfig) -> None:
     final_dir = write_hf_checkpoint(final_weights, model_path, run_dir / "final_hf")
     plots = training_plots(logger.log_dir, run_dir, mean_group_size(cfg))
     if base is not None:
-        final = success_by_tier(datamodule, samples, "evaluating final policy")
-        table = write_summary(run_dir, base.result, final)
-        print(f"\nSuccess on the training tasks ({samples} samples per task):\n{table}")
+        final = training_task_report(datamodule, samples, "evaluating final policy")
+        tables = write_summary(run_dir, base.result, final)
+        print(f"\nSuccess on the training tasks ({samples} samples per task):\n{tables}")
     if datamodule.trajectory_log is not None:
         datamodule.trajectory_log.close()  # what the last evaluations queued
-    viewer = next((c for c in callbacks if isinstance(c, RolloutViewer)), None)
     page = viewer.final(run_dir) if viewer else None
     finish_loggers(loggers, run_dir)
     engine.close()

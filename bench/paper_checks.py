@@ -8,7 +8,8 @@ Each check is `python train.py` with a few overrides, run for every seed:
   rollouts per step equal the recipe's (the check the paper names as its most important open one);
 - Appendix G, the sensitivity pair: serving faults injected at a set rate per action (`env.fault_rate`), the
   faulted episodes quarantined (removed from their groups) or scored as failures;
-- beyond the paper: `group_size=auto` (coverage-adaptive groups under the recipe's rollout budget).
+- beyond the paper: `group_size=auto` (coverage-adaptive groups under the recipe's rollout budget), and advantages
+  centred by the group's mean without dividing by its std (`ablation=no_std`: Dr. GRPO, LOOP).
 
 Every finished run leaves `<out>/<check>/seed<k>/result.json`: its wall time and overrides, and its numbers and
 curves read from its TensorBoard log, so the report needs nothing else and the result files alone (a few KB each;
@@ -71,6 +72,7 @@ def checks(extra: list[str]) -> dict[str, tuple[str, list[str]]]:
             [f"env.fault_rate={FAULT_RATE}", "ablation=quarantine_as_failure"],
         ),
         "auto_group": ("beyond: group_size=auto", ["ablation=auto_group"]),
+        "no_std": ("beyond: no group std (Dr. GRPO / LOOP)", ["ablation=no_std"]),
     }
 
 

@@ -137,6 +137,7 @@ def build_datamodule(
         drop_hardest=cfg.data.drop_hardest,
         hardest_tier=cfg.data.hardest_tier,
         quarantine_as_failure=cfg.algorithm.quarantine_as_failure,
+        advantage_std=cfg.algorithm.advantage_std,
         max_quarantine_fraction=cfg.env.max_quarantine_fraction,
         rollout_timeout_s=cfg.trainer.rollout_timeout_s,
         trajectory_log=trajectory_log,

@@ -8,6 +8,7 @@ def step_advantages(
     quarantined: torch.Tensor,
     quarantine_as_failure: bool = False,
     present: torch.Tensor | None = None,
+    divide_by_std: bool = True,
 ) -> torch.Tensor:
     """Quarantine, then Eq. 3, for all of a step's groups at once: [G, n] rewards and quarantine flags -> [G, n].
 
@@ -16,6 +17,8 @@ def step_advantages(
     ablation) it stays in the group with reward 0 instead. A degenerate group (all rewards equal, or fewer than
     two left) gives all zeros, never NaN. A lone success among n gets exactly sqrt(n-1) (Appendix B). Groups of
     different sizes are padded to n; `present` marks their real entries (the padding takes no part, and gets 0).
+    Without `divide_by_std` (the no_std ablation, as Dr. GRPO; LOOP's leave-one-out baseline is this times
+    n/(n-1)) an advantage is its reward minus the group's mean, all else alike: a lone success among n gets 1 - 1/n.
     """
     quarantined = quarantined.to(torch.bool)
     present = torch.ones_like(quarantined) if present is None else present.to(torch.bool)
@@ -27,7 +30,8 @@ def step_advantages(
     std = (centered.pow(2).sum(-1, keepdim=True) / count).sqrt()
     scale = torch.where(valid, rewards.abs(), 0.0).amax(-1, keepdim=True).clamp_min(1.0)
     informative = (valid.sum(-1, keepdim=True) >= 2) & (std > 1e-12 * scale)
-    advantages = torch.where(informative & valid, centered / torch.where(informative, std, 1.0), 0.0)
+    scaled = centered / torch.where(informative, std, 1.0) if divide_by_std else centered
+    advantages = torch.where(informative & valid, scaled, 0.0)
     return advantages.to(torch.float32)
 
 

@@ -2,9 +2,10 @@
 
 Each logged rollout step, and each evaluation, becomes one file `<run>/trajectories/<stream>/step_<N>.jsonl.gz`
 (stream `train`, or `eval_<budget>`), one episode per line: its task (id, tier, scenario), sample index and group,
-the weight versions that sampled it, each turn's decoded action and observation with their token counts, how it
-ended, its verdict, reward and group advantage (Eq. 3) or the fault that quarantined it, and, for `replay`, its token
-ids with the action mask as run lengths.
+the weight versions that sampled it, each turn's decoded action and observation with their token counts, the actions
+the environment answered and the turns whose action was invalid for it, how it ended, its verdict, reward and group
+advantage (Eq. 3) or the fault that quarantined it, and, for `replay`, its token ids with the action mask as run
+lengths.
 
 Sampling keeps a large run's logs small: every `every_n_steps`-th training step (every evaluation), only the groups
 of the named `tasks`, or the first `groups_per_tier` groups of each tier; `max_disk_mb` bounds the folder, the oldest
@@ -144,6 +145,8 @@ def plain_episode(group: int, t: Trajectory, advantage: float | None, reward_kin
         "prompt_tokens": t.prompt_length,
         "response_tokens": t.response_tokens,
         "num_turns": t.num_turns,
+        "actions": t.actions,
+        "invalid_turns": list(t.invalid_turns),
         "ending": t.ending,
         "verdict": None if verdict is None else {**verdict.__dict__, "success": verdict.success},
         "agent_failure": t.agent_failure,
@@ -199,6 +202,8 @@ def episode_records(episodes: list[dict], decoder, *, step: int, token_ids: bool
             "prompt_tokens": e["prompt_tokens"],
             "response_tokens": e["response_tokens"],
             "num_turns": e["num_turns"],
+            "actions": e["actions"],
+            "invalid_turns": e["invalid_turns"],
             "turns": turns,
             "ending": e["ending"],
             "verdict": e["verdict"],
@@ -425,9 +430,11 @@ class Writer:
 
 def step_summary(step: int, records: list[dict]) -> dict:
     """A logged step in one line: its episodes, quarantined ones, successes of the scored ones by tier (successes,
-    scored), and its groups by composition (Fig. 3: all_fail / mixed / all_success, `empty` if all quarantined)."""
+    scored), their invalid actions (invalid, answered: format health), and its groups by composition (Fig. 3:
+    all_fail / mixed / all_success, `empty` if all quarantined)."""
     by_tier: dict[int, list[int]] = {}
     groups: dict[int, list[bool]] = {}
+    invalid_actions = [0, 0]
     for r in records:
         outcomes = groups.setdefault(r["group"], [])
         if r["quarantine"] is None:
@@ -436,12 +443,15 @@ def step_summary(step: int, records: list[dict]) -> dict:
             counts[0] += int(success)
             counts[1] += 1
             outcomes.append(success)
+            invalid_actions[0] += len(r.get("invalid_turns", ()))  # logs written before format health: none
+            invalid_actions[1] += r.get("actions", 0)
     kinds = Counter(group_composition(sum(o), len(o)) if o else "empty" for o in groups.values())
     return {
         "step": step,
         "episodes": len(records),
         "quarantined": sum(r["quarantine"] is not None for r in records),
         "success_by_tier": {str(tier): counts for tier, counts in sorted(by_tier.items())},
+        "invalid_actions": invalid_actions,
         "groups": dict(kinds),
         "mean_turns": sum(r["num_turns"] for r in records) / max(1, len(records)),
     }

@@ -101,6 +101,19 @@ def test_prompt_over_cap_is_a_clear_error(tokenizer):
         run_episodes(ScriptedEngine(tokenizer, ["x"]), EmbeddedEnvironment(), tokenizer, [(task(0, 1), 0)], budget, T)
 
 
+def test_invalid_actions_are_counted_by_turn(tokenizer):
+    """Each action the environment answers counts; those it found invalid (`StepResult.valid`) by their turn. A turn
+    cut by the response budget is never answered."""
+    engine = ScriptedEngine(tokenizer, ["hello", "login", "vault", "key"])
+    [t], _ = run_episodes(engine, EmbeddedEnvironment(), tokenizer, [(task(0, 2), 0)], BUDGET, T)
+    assert (t.ending, t.num_turns, t.actions, t.invalid_turns) == ("done", 4, 4, [1, 3])
+    budget = Budget(**{**BUDGET.__dict__, "max_response_tokens": 100})
+    [t], _ = run_episodes(
+        ScriptedEngine(tokenizer, ["a " * 40]), EmbeddedEnvironment(), tokenizer, [(task(0, 1), 0)], budget, T
+    )
+    assert (t.ending, t.num_turns, t.actions, t.invalid_turns) == ("token_budget", 3, 2, [1, 2])
+
+
 class FaultyEnv(EmbeddedEnvironment):
     """Raises the given exception on the first step of every episode."""
 

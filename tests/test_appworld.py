@@ -171,6 +171,24 @@ def test_infinite_loop_is_an_error_observation_and_scores_zero(pool):
     assert trajectory.verdict == Verdict(0, 2) and trajectory.reward("sparse") == 0.0
 
 
+def test_code_that_fails_before_any_api_call_is_an_invalid_action(pool):
+    """Format health, through the pool: a reply without a code block, code that does not parse, and code that fails
+    before its first API call (the world's API-call log did not grow) are invalid actions; code that runs, or fails
+    after calling an API, is valid."""
+    episode = pool.start(pool.tasks("train")[0], seed=0)
+    replies = [
+        ("no code block, just prose", False),
+        (code("x = (1,"), False),  # does not parse
+        (code("1 / 0"), False),  # raises before any API call, with no call logged yet
+        (code("x = 1"), True),
+        (code("print(apis.api_docs.show_app_descriptions())"), True),
+        (code("apis.api_docs.show_app_descriptions()\n1 / 0"), True),  # raises after a call
+        (code("y = undefined_name"), False),  # raises before any call, with calls logged before
+    ]
+    assert [episode.step(reply).valid for reply, _ in replies] == [valid for _, valid in replies]
+    episode.close()
+
+
 def test_code_that_outlives_the_cell_timeout_is_an_agent_failure(pool):
     """A loop that swallows AppWorld's timeout exception hangs the server: still the agent's doing (scored 0);
     its server is replaced, its worker stays."""

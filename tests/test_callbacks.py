@@ -1,6 +1,7 @@
 """Callbacks on hand-built steps: audit, entropy monitor, quarantine stats, coverage numbers, budget transfer."""
 
 import math
+import re
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -13,6 +14,8 @@ from canopy.callbacks import (
     BudgetTransferEval,
     CoverageLogger,
     EntropyMonitor,
+    FormatDriftError,
+    FormatMonitor,
     OnPolicyAudit,
     QuarantineStats,
     RolloutViewer,
@@ -100,6 +103,67 @@ def test_entropy_monitor_warns_on_collapse_and_fast_fall():
         collapse.on_train_batch_end(trainer, module, None, batch, 0)
 
 
+def test_format_monitor_judges_the_mean_over_a_full_window():
+    monitor = FormatMonitor(warn_above=0.3, window=3)
+    assert [monitor.check(s, share, None) for s, share in enumerate([0.9, 0.9])] == [None, None]  # window not full
+    assert monitor.check(2, 0.0, None) == ("warn", pytest.approx(0.6))  # (0.9 + 0.9 + 0) / 3
+    assert monitor.check(3, 0.9, None) is None  # one warning per window
+    assert monitor.check(4, None, None) is None and len(monitor.shares) == 3  # a step with no action answered
+    healthy = FormatMonitor(warn_above=0.3, window=3)
+    assert [healthy.check(s, share, None) for s, share in enumerate([0.1, 0.2, 0.5, 0.1])] == [None] * 4  # 0.27
+    stopping = FormatMonitor(warn_above=0.3, window=2, stop_above=0.6)
+    assert [stopping.check(s, share, None) for s, share in enumerate([0.5, 0.6, 0.7])] == [
+        None,
+        ("warn", pytest.approx(0.55)),
+        ("stop", pytest.approx(0.65)),
+    ]
+    assert FormatMonitor(warn_above=0.3, window=2).check(1, 0.99, None) is None  # stop_above null: never stops
+
+
+def format_step(tmp_path, shares, viewer=True):
+    """Run `shares` (one step's invalid-action share each; step 1's episode 3 of vault0_s1_t2 is invalid) through the
+    monitor's hook as a run would, in a run folder `tmp_path`; returns the monitor."""
+    monitor = FormatMonitor(warn_above=0.3, window=2, stop_above=0.6)
+    trainer, module, batch = step()
+    trainer.default_root_dir = str(tmp_path)
+    trainer.datamodule = SimpleNamespace(trajectory_log=object())
+    trainer.callbacks = [monitor] + ([RolloutViewer()] if viewer else [])
+    for s, share in enumerate(shares):
+        module.weight_version = s + 1  # after the step's update
+        example = ("vault0_s1_t2", 3) if s == 1 else None
+        batch.stats = StepStats(episodes=16, invalid_example=example, metrics={"health/invalid_action_frac": share})
+        monitor.on_train_batch_end(trainer, module, None, batch, s)
+    return monitor
+
+
+def test_format_monitor_stops_with_one_line_naming_the_step_share_and_episode(tmp_path):
+    address = (tmp_path / "viewer.html").as_uri() + "#stream=train&step=1&task=vault0_s1_t2&sample=3"
+    warned = r"step 1: 45.0% of the policy's actions were invalid over the last 2 steps, above warn_above 0.3.*"
+    with pytest.warns(RuntimeWarning, match=warned + re.escape(address)), pytest.raises(FormatDriftError) as stop:
+        format_step(tmp_path, [0.3, 0.6, 0.7])
+    assert str(stop.value) == (
+        "step 2: 65.0% of the policy's actions were invalid over the last 2 steps, above "
+        "callbacks.format_monitor.stop_above=0.6 (the KL anchor, algorithm.kl_coef, and a smaller optim.lr keep it on "
+        f"format); an invalid episode: {address}"
+    )
+    without = r"episode: step 1, task vault0_s1_t2, sample 3 \(no rollout viewer"
+    with pytest.warns(RuntimeWarning, match=without), pytest.raises(FormatDriftError, match=without):
+        format_step(tmp_path, [0.3, 0.6, 0.7], viewer=False)
+
+
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("callbacks.format_monitor.stop_above=1.5", "stop_above=1.5 must be a share in [0, 1), e.g. 0.5, or null"),
+        ("callbacks.format_monitor.warn_above=-0.1", "warn_above=-0.1 must be a share in [0, 1), e.g. 0.25"),
+        ("callbacks.format_monitor.window=0", "window=0 must be a number of steps >= 1"),
+    ],
+)
+def test_format_monitor_settings_are_checked_with_the_fix(override, message):
+    with pytest.raises(ConfigError, match=re.escape(f"callbacks.format_monitor.{message}")):
+        build_callbacks(config(override))
+
+
 def test_quarantine_stats_totals_and_warning():
     stats = QuarantineStats(warn_rate=0.1)
     trainer, module, batch = step(stats=StepStats(episodes=20, quarantined={"worker_dead": 1}))
@@ -134,7 +198,15 @@ def test_coverage_numbers_on_a_hand_built_batch():
 
 def test_build_callbacks_swaps_by_config():
     kinds = {type(c) for c in build_callbacks(config())}
-    assert kinds == {QuarantineStats, CoverageLogger, EntropyMonitor, BudgetTransferEval, OnPolicyAudit, RolloutViewer}
+    assert kinds == {
+        QuarantineStats,
+        CoverageLogger,
+        EntropyMonitor,
+        FormatMonitor,
+        BudgetTransferEval,
+        OnPolicyAudit,
+        RolloutViewer,
+    }
     assert EntropyMonitor not in {type(c) for c in build_callbacks(config("callbacks.entropy_monitor=null"))}
     assert build_callbacks(config("callbacks=none")) == []
 

@@ -73,6 +73,7 @@ def test_enlarged_budget_matches_appendix_i():
         ("dense_reward", "algorithm.reward", "dense"),
         ("half_minibatch", "algorithm.minibatches_per_step", 2),
         ("quarantine_as_failure", "algorithm.quarantine_as_failure", True),
+        ("no_std", "algorithm.advantage_std", False),
         ("token_tis", "algorithm.rollout_correction", {**CORRECTION_OFF, "mode": "token_tis"}),
         ("token_mask", "algorithm.rollout_correction", {**CORRECTION_OFF, "mode": "token_mask"}),
         ("sequence_mask", "algorithm.rollout_correction", {**CORRECTION_OFF, "mode": "sequence_mask"}),
@@ -228,3 +229,10 @@ def test_chat_template_options_come_from_the_experiment(tiny_path):
     assert tokenizer.template_kwargs == {"enable_thinking": False}
     text = tokenizer.apply_chat_template([{"role": "user", "content": "x"}], add_generation_prompt=True, tokenize=False)
     assert text.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+
+
+def test_no_std_reaches_the_data_modules_advantages(tiny_path):
+    from canopy.build import build_datamodule
+
+    assert build_datamodule(config("ablation=no_std"), tiny_path).advantage_std is False
+    assert build_datamodule(config(), tiny_path).advantage_std is True

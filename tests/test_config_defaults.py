@@ -128,6 +128,7 @@ def test_schema_defaults_are_written_once():
         ("algorithm.adaptive_group.tau=high", "converted to Float"),
         ("optim.lr=fast", "converted to Float"),
         ("trainer.memory_check=maybe", "not a valid bool"),
+        ("algorithm.advantage_std=maybe", "not a valid bool"),
         ("trainer.max_steps=1.5", "converted to Integer"),
         ("data.task_per_step=4", "not in 'DataSettings'"),
         ("budget.max_turn=4", "not in 'BudgetSettings'"),

@@ -62,6 +62,9 @@ def test_score_groups_quarantines_before_advantages():
     # the sensitivity ablation scores the quarantined episode 0 instead: the group has 4 members again
     _, as_failure = score_groups(groups, "sparse", quarantine_as_failure=True)
     assert as_failure[0].item() == pytest.approx(math.sqrt(3))
+    # ablation=no_std: centred only, over the same 3 survivors
+    _, centred = score_groups(groups, "sparse", advantage_std=False)
+    assert centred.tolist() == pytest.approx([2 / 3, -1 / 3, -1 / 3, 0, 0, 0, 0])
 
 
 def test_score_groups_refuses_a_lost_episode():
@@ -222,6 +225,30 @@ def test_step_stats_are_what_the_callbacks_read():
     assert (stats.episodes, stats.quarantined) == (8, {"worker_killed": 1})
     assert stats.success_by_tier == {1: 2 / 3, 3: 0.0} and stats.groups_by_tier == {1: 1, 3: 1}
     assert stats.scored_per_group == 3.5
+
+
+def test_invalid_action_share_counts_the_scored_episodes_actions_by_tier():
+    """health/invalid_action_frac: invalid actions over the actions the environment answered, pooled over the scored
+    episodes, overall and per tier; a quarantined episode's actions are left out with it."""
+    a, b, c = Task("a", 1, "s"), Task("b", 3, "s"), Task("c", 2, "s")
+    trajectories = [trajectory(a, i, i == 0) for i in range(4)]
+    trajectories += [trajectory(b, i, False) for i in range(3)] + [trajectory(b, 3, quarantine="worker_killed")]
+    trajectories += [trajectory(c, i, False) for i in range(2)]
+    answered = [(3, []), (4, [2]), (2, [1, 2]), (1, []), (5, [1, 2, 3]), (0, []), (5, [5]), (3, [1, 2, 3])]
+    answered += [(0, []), (0, [])]  # tier 2: every episode ended before the environment answered anything
+    for t, (actions, invalid) in zip(trajectories, answered):
+        t.actions, t.invalid_turns = actions, invalid
+    stats = StepStats.of(same_task_groups(trajectories, [4, 4, 2]), "sparse")
+    health = {k: v for k, v in stats.metrics.items() if k.startswith("health/")}
+    # tier 1: 3 invalid of 10 answered; tier 3: 4 of 10 (the quarantined episode's 3 of 3 are not counted)
+    assert health == {
+        "health/invalid_action_frac": pytest.approx(7 / 20),
+        "health/invalid_action_frac_tier1": pytest.approx(3 / 10),
+        "health/invalid_action_frac_tier3": pytest.approx(4 / 10),
+    }
+    assert stats.invalid_example == ("a", 1)  # the first scored episode with an invalid action: what the monitor names
+    silent = StepStats.of(same_task_groups(trajectories[-2:], [2]), "sparse")
+    assert not any(k.startswith("health/") for k in silent.metrics) and silent.invalid_example is None
 
 
 def test_every_batch_carries_its_step_stats(tokenizer):

@@ -63,6 +63,19 @@ def test_first_command_word_counts():
     assert episode.step("vault 3 login open key").done
 
 
+@pytest.mark.parametrize("declare_done", [False, True])
+def test_an_unknown_command_is_an_invalid_action_and_any_known_one_valid(declare_done):
+    """Format health: a reply with no command word is invalid; a known command is valid even when its prerequisite
+    is unmet (a wrong move, not a malformed one)."""
+    task = next(t for t in make_tasks("train") if t.spec["start"] == 0 and t.tier == 3)
+    episode = EmbeddedEnvironment(declare_done=declare_done).start(task, 0)
+    for reply in ("hello vault", "", "status : guest", "logout", "KEY"):
+        assert not episode.step(reply).valid, reply
+    for reply in ("unlock", "vault 3 key", "login"):  # unlock and key: prerequisite unmet, still commands
+        assert episode.step(reply).valid, reply
+    assert episode.step("done").valid is declare_done  # a command only where the agent ends the episode
+
+
 def test_vocabulary_covers_everything_the_env_prints():
     env = EmbeddedEnvironment()
     words = set(VOCABULARY)

@@ -10,14 +10,17 @@ import pytest
 import torch
 
 from canopy.envs.base import Task
-from canopy.envs.embedded import make_tasks
+from canopy.envs.embedded import EmbeddedEnvironment, make_tasks
 from canopy.errors import ConfigError
 from canopy.eval.metrics import best_at_k, mean_at_k, sgc, sgc_best_at_k, sgc_mean_at_k, summarize
 from canopy.eval.pilot import format_pilot, pilot_report
-from canopy.eval.runner import checkpoint_weights, format_table3
+from canopy.eval.runner import checkpoint_weights, format_table3, sample_runs
 from canopy.modules.policy import load_policy
-from canopy.rollout.engine import LocalEngine
+from canopy.rollout.agent_loop import Budget
+from canopy.rollout.engine import LocalEngine, SamplingParams
+from canopy.tools.summary import invalid_action_fracs, write_summary
 from canopy.trajectories import read_step
+from tests.scripted import ScriptedEngine
 
 ROOT = Path(__file__).resolve().parents[1]
 RUNS = {"a": [1, 0, 1, 1], "b": [0, 1, 0, 0], "c": [1, 1, 1, 1]}
@@ -50,6 +53,30 @@ def test_summarize_per_tier():
         "| TGC m@4 | TGC b@4 | SGC m@4 | SGC b@4 |" in table
         and "| p | b | dev | all (3) | 66.7 | 100.0 | 50.0 | 100.0 |" in table
     )
+
+
+def test_the_summary_compares_base_and_final_success_and_invalid_action_share(tokenizer, tmp_path):
+    """summary.json / .md: success and format health, base vs final, by tier; the share from the evaluation's scored
+    episodes (`sample_runs`), over the actions their environment answered."""
+    tasks = [t for t in make_tasks("train") if t.spec["start"] == 0][:2]  # tiers 1 and 2 of vault 0
+    budget = Budget(max_turns=3, max_response_tokens=64, max_prompt_tokens=128, max_observation_tokens=32,
+                    max_context_tokens=512)  # fmt: skip
+    engine = ScriptedEngine(tokenizer, ["hello", "login", "hello"])
+    sampled = sample_runs(engine, EmbeddedEnvironment(), tokenizer, tasks, 1, budget, SamplingParams())
+    assert sampled.actions_by_tier == {1: [1, 2], 2: [2, 3]}  # tier 1 done at its login; tier 2 at the turn limit
+    assert invalid_action_fracs(sampled.actions_by_tier) == {"all": 0.6, "tier1": 0.5, "tier2": pytest.approx(2 / 3)}
+    assert invalid_action_fracs({3: [0, 0]}) == {}  # nothing answered: no share
+    base = {"success": {"all": 0.5, "tier1": 0.75}, "invalid_action_frac": {"all": 0.1, "tier1": 0.2}}
+    final = {"success": {"all": 0.75, "tier1": 1.0}, "invalid_action_frac": {"all": 0.3}}
+    tables = write_summary(tmp_path, base, final)
+    assert json.loads((tmp_path / "summary.json").read_text()) == {
+        "base": {"all": 0.5, "tier1": 0.75},
+        "final": {"all": 0.75, "tier1": 1.0},
+        "invalid_action_frac": {"base": {"all": 0.1, "tier1": 0.2}, "final": {"all": 0.3}},
+    }
+    health = tables.split("Invalid actions")[1]
+    assert "| all | 0.100 | 0.300 | +0.200 |" in health and "tier1" not in health  # only rows both have
+    assert (tmp_path / "summary.md").read_text().endswith(tables + "\n")
 
 
 def test_pilot_report_follows_eq_4_and_5():

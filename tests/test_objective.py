@@ -204,3 +204,38 @@ def test_step_advantages_quarantine_as_failure_keeps_the_episode_with_reward_zer
     dropped = step_advantages(rewards, quarantined)
     assert torch.allclose(dropped[0, :3], group_advantages(rewards[0, :3], torch.ones(3, dtype=torch.bool)))
     assert dropped[0, 3] == 0
+
+
+def test_no_std_advantages_are_centred_rewards_with_the_same_quarantine_padding_and_degenerate_groups():
+    """ablation=no_std: r - mean of the group's survivors, by hand; quarantined and padded entries and degenerate
+    groups get 0 exactly as with the std."""
+    rewards = torch.tensor(
+        [
+            [1.0, 0.0, 0.0, 0.0],  # a lone success among 4: 1 - 1/4, the failures -1/4
+            [1.0, 1.0, 0.0, 0.0],  # the third is quarantined: mean 2/3 over the survivors
+            [0.5, 0.0, 0.0, 0.0],  # a group of 2 (dense), padded to 4: mean 0.25
+            [0.3, 0.3, 0.3, 0.3],  # all equal: no signal
+            [1.0, 0.0, 0.0, 0.0],  # one survivor: no signal
+        ]
+    )
+    quarantined = torch.zeros(5, 4, dtype=torch.bool)
+    quarantined[1, 2] = True
+    quarantined[4, 1:] = True
+    present = torch.ones(5, 4, dtype=torch.bool)
+    present[2, 2:] = False
+    centred = step_advantages(rewards, quarantined, present=present, divide_by_std=False)
+    expected = torch.tensor(
+        [
+            [0.75, -0.25, -0.25, -0.25],
+            [1 / 3, 1 / 3, 0.0, -2 / 3],
+            [0.25, -0.25, 0.0, 0.0],
+            [0.0, 0.0, 0.0, 0.0],
+            [0.0, 0.0, 0.0, 0.0],
+        ]
+    )
+    assert torch.allclose(centred, expected, atol=1e-7)
+    assert centred[3].abs().sum() == 0  # exactly zero, not rounding noise
+    standardized = step_advantages(rewards, quarantined, present=present)
+    assert standardized[0, 0].item() == pytest.approx(math.sqrt(3))  # the recipe divides by the std: not the same
+    as_failure = step_advantages(rewards[1:2], quarantined[1:2], quarantine_as_failure=True, divide_by_std=False)
+    assert torch.allclose(as_failure, torch.tensor([[0.5, 0.5, -0.5, -0.5]]))  # scored 0, kept in the mean

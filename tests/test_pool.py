@@ -57,6 +57,19 @@ def test_errors_are_observations_and_limits_are_agent_failures(pool):
     assert len(pool.worker_pids()) == 2  # the agent's fault costs no worker
 
 
+def test_a_reply_without_a_code_block_is_invalid_across_the_worker_channel(pool):
+    """Format health: python tasks' one invalid action is a reply without a code block; code that raises, or does
+    not even parse, is a valid action that failed. The flag crosses the worker process boundary with the result."""
+    episode = pool.start(pool.tasks("train")[0], seed=0)
+    assert [episode.step(reply).valid for reply in ("no code here", "print(1)", "```\nprint(1)\n```")] == [
+        False,
+        False,
+        True,  # a bare ``` block is a code block too
+    ]
+    assert episode.step(code("1 / 0")).valid and episode.step(code("def (")).valid
+    episode.close()
+
+
 def test_killed_worker_is_quarantined_and_replaced(pool):
     episode = pool.start(pool.tasks("train")[0], seed=0)
     victim = episode.worker.pid

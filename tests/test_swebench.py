@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import yaml
@@ -20,10 +21,11 @@ import yaml
 from canopy.datamodules.rollout import StepStats, same_task_groups
 from canopy.envs.base import EnvironmentFault, Task
 from canopy.envs.isolation import RuntimeSettings, SandboxError, build_runtime, safe_image_name
+from canopy.envs.isolation.base import CommandResult
 from canopy.envs.isolation.cgroups import cgroups_usable
 from canopy.envs.pool import EnvironmentPool, PoolSettings
 from canopy.envs.swe_grading import grade
-from canopy.envs.swebench import SWEBenchEnvironment, harness, instance_task
+from canopy.envs.swebench import SWEBenchEnvironment, SWEBenchEpisode, SWEBenchSettings, harness, instance_task
 from canopy.errors import ConfigError
 from canopy.rollout.agent_loop import Budget, Trajectory, run_episodes
 from canopy.rollout.engine import Generation, SamplingParams
@@ -150,6 +152,26 @@ def test_harness_is_mini_swe_agent_v1_read_from_its_package():
     assert "timed out and has been killed" in h.render("timeout_template", action={"action": "sleep 9"}, output="")
 
 
+def test_a_reply_without_exactly_one_bash_block_is_an_invalid_action():
+    """Format health: mini-swe-agent's format error (no bash block, or several) is an invalid action; exactly one
+    block is valid, whatever its command does."""
+    sandbox = SimpleNamespace(run=lambda command, timeout, env: CommandResult(f"ran {command}", 2), close=lambda: None)
+    env = SimpleNamespace(
+        runtime=SimpleNamespace(start=lambda image: sandbox),
+        settings=SWEBenchSettings(check_base_commit=False),
+        command_timeout=60,
+    )
+    episode = SWEBenchEpisode(env, Task("t", 1, "r", {"image": "i", "split": "train", "problem_statement": "fix"}))
+    replies = {
+        "I will just think.": False,
+        "```bash\nls\n```\n```bash\npwd\n```": False,
+        "```python\nprint(1)\n```": False,
+        "THOUGHT: look.\n\n```bash\nls -la\n```": True,
+        "```bash\nfalse\n```": True,  # a failing command is still a well-formed action
+    }
+    assert {reply: episode.step(reply).valid for reply in replies} == replies
+
+
 def test_grading_follows_swebench(generated):
     runtime = build_runtime(RuntimeSettings(kind="bwrap", image_root=str(generated["out"] / "images")))
     instance = generated["instances"][1]
@@ -246,6 +268,8 @@ def test_every_reward_observation_and_quarantine_through_the_pool(generated):
             assert text in observations, (key, text, observations[-1500:])
     for reason in broken:
         assert by_key[reason].quarantine == reason, (reason, by_key[reason].fault)
+    invalid = {key: t.invalid_turns for key, t in by_key.items() if t.invalid_turns}
+    assert invalid == {"format_error": [1, 2]} and by_key["format_error"].actions == 4  # through the pool
     tamper = by_key["tamper"].verdict
     assert (tamper.outcome, tamper.tamper, tamper.tampered) == ("unresolved", "restored", ("conftest.py",))
     metrics = StepStats.of(same_task_groups(trajectories, [1] * len(trajectories)), "sparse").metrics

@@ -2,6 +2,7 @@
 
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -10,7 +11,7 @@ import pytest
 from transformers import AutoTokenizer, Qwen3ForCausalLM
 
 from canopy.build import build_datamodule
-from canopy.tools.summary import success_by_tier
+from canopy.tools.summary import training_task_report
 from canopy.tools.tb_scalars import read_scalars
 from canopy.trajectories import read_index, read_step
 from tests.test_config import config
@@ -44,6 +45,7 @@ REQUIRED_TAGS = [
     "coverage/mixed",
     "coverage/all_fail",
     "coverage/all_success",
+    "health/invalid_action_frac",
 ]
 
 
@@ -87,6 +89,8 @@ def test_short_training_run(short_run):
     AutoTokenizer.from_pretrained(final)
     summary = json.loads((run_dir / "summary.json").read_text())
     assert set(summary["base"]) == {"all", "tier1", "tier2", "tier3"} == set(summary["final"])
+    assert all(0 <= v <= 1 for when in ("base", "final") for v in summary["invalid_action_frac"][when].values())
+    assert "all" in summary["invalid_action_frac"]["final"] and "Invalid actions" in run.stdout
     assert (run_dir / "learning_curve.png").stat().st_size > 10_000
     assert "Success on the training tasks" in run.stdout
     # every step's episodes are logged (4 tasks x 4 rollouts), and the budget-transfer evaluations at the end
@@ -118,7 +122,7 @@ def test_base_policy_of_the_embedded_default(tmp_path):
     from canopy.build import ensure_model
 
     datamodule = build_datamodule(cfg, ensure_model(cfg))
-    rates = success_by_tier(datamodule, samples_per_task=16, description="base")
+    rates = training_task_report(datamodule, samples_per_task=16, description="base")["success"]
     assert rates["tier3"] <= 0.1
     assert 0.3 <= rates["tier1"] <= 0.8
     assert rates["tier1"] > rates["tier2"] > rates["tier3"]
@@ -173,6 +177,48 @@ def test_audit_and_its_config_stop_the_run_with_one_line(tmp_path, warm_tiny):
         .splitlines()[-1]
         .startswith("config error: engine.gap_bounds has no bounds for an engine computing in float32")
     )
+
+
+# Drives the tiny policy off format within a few steps: no KL anchor, a large step and an entropy bonus push it to
+# random tokens (measured: 7 of 74 actions invalid at step 0, 1/73, 25/55, then 60/80 at step 3, where a 2-step
+# window's mean first passes 0.5); 8 tokens a turn keep the random replies short.
+DRIFT = (
+    "optim.lr=0.003",
+    "algorithm.kl_coef=0",
+    "algorithm.entropy_coef=1.0",
+    "budget.per_turn_generation_cap=8",
+    "report.eval_samples_per_task=0",
+    "callbacks.format_monitor.window=2",
+    "callbacks.format_monitor.stop_above=0.5",
+)
+
+
+@pytest.mark.slow
+def test_a_run_driven_off_format_is_stopped_with_one_line_naming_an_invalid_episode(tmp_path, warm_tiny):
+    """The format monitor stops a drifting run: one line naming the step, the window's invalid share and the viewer
+    address of an invalid episode, which the page built at the stop opens; the share rose to get there."""
+    run_dir, run = train(tmp_path, warm_tiny, 10, *DRIFT, returncode=1)
+    last = run.stderr.strip().splitlines()[-1]
+    stop = re.fullmatch(
+        r"format drift: step (\d+): ([\d.]+)% of the policy's actions were invalid over the last 2 steps, above "
+        r"callbacks.format_monitor.stop_above=0.5 \(.*\); an invalid episode: (\S+)#stream=train&step=(\d+)&task=(\S+)"
+        r"&sample=(\d+)",
+        last,
+    )
+    assert stop, last
+    step, share, page, shown_step, task, sample = stop.groups()
+    assert int(step) < 9 and float(share) > 50 and "Traceback" not in run.stderr
+    assert page == (run_dir / "viewer.html").as_uri() and (run_dir / "viewer.html").stat().st_size > 10_000
+    records = read_step(run_dir / "trajectories" / "train" / f"step_{int(shown_step):06d}.jsonl.gz")
+    episode = next(r for r in records if r["task_id"] == task and r["sample_index"] == int(sample))
+    assert episode["invalid_turns"] and episode["actions"] >= len(episode["invalid_turns"])
+    shares = [
+        invalid / answered
+        for invalid, answered in (s["invalid_actions"] for s in read_index(run_dir / "trajectories" / "train"))
+    ]
+    assert len(shares) == int(step) + 1 and shares[0] < 0.2 and (shares[-1] + shares[-2]) / 2 > 0.5  # it rose
+    logged = read_scalars(run_dir / "tensorboard")["health/invalid_action_frac"]
+    assert [v for _, v in logged] == pytest.approx(shares[: len(logged)]) and not (run_dir / "final_hf").exists()
 
 
 @pytest.mark.slow

@@ -81,6 +81,20 @@ def test_a_training_step_is_logged_turn_by_turn_with_its_advantages(tokenizer, t
     assert 0 < summary["write_cpu_ms"] < 10_000  # what writing the step cost the writer process (the logs' own cost)
 
 
+def test_each_episode_keeps_its_invalid_turns_and_the_index_the_steps_share(tokenizer, tmp_path):
+    """Format health in the logs: each record, the actions its environment answered and the turns whose action was
+    invalid (the viewer marks them); the index line, the step's invalid and answered actions (the viewer's curve),
+    which give the step's logged health/invalid_action_frac."""
+    batch, records = logged_step(tokenizer, tmp_path, ["hello", "guest login", "vault", "keyless key"])
+    for record in records:  # done after a login at turn 2, else at the turn limit (4)
+        assert record["invalid_turns"] == {2: [1], 4: [1, 3]}[record["num_turns"]]
+        assert record["actions"] == record["num_turns"]
+    (summary,) = read_index(tmp_path / "trajectories" / "train")
+    invalid, answered = summary["invalid_actions"]
+    assert (invalid, answered) == (sum(len(r["invalid_turns"]) for r in records), sum(r["actions"] for r in records))
+    assert invalid / answered == pytest.approx(batch.metrics["health/invalid_action_frac"]) and invalid > 0
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="SCHED_IDLE is Linux's")
 def test_the_writer_is_a_process_at_idle_priority_and_the_training_thread_keeps_its_own(tokenizer, tmp_path):
     seen = []

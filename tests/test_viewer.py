@@ -96,6 +96,27 @@ def test_the_address_opens_an_episode_in_a_real_browser(run_dir, tmp_path):
 
 
 @pytest.mark.slow
+def test_invalid_actions_are_marked_counted_filtered_and_curved(tokenizer, tmp_path):
+    """Format health in the page: the episode's invalid actions counted and each marked at its turn, the filter that
+    keeps the episodes with one, and the invalid-action share against the step; `episode_address` opens it."""
+    from canopy.tools.viewer import episode_address
+
+    log = TrajectoryLog(tmp_path / "run" / "trajectories", tokenizer, "m", Sampling(), "sparse")
+    dm = datamodule(tokenizer, ScriptedEngine(tokenizer, ["hello", "guest login", "vault"]), trajectory_log=log)
+    dm.next_batch()
+    log.close()
+    record = next(r for r in read_step(log.root / "train" / "step_000000.jsonl.gz") if r["num_turns"] == 4)
+    page = build_viewer(tmp_path / "run")
+    address = episode_address(tmp_path / "run", "train", 0, record["task_id"], record["sample_index"])
+    shown = dom(page, address.split("#")[1], tmp_path)
+    episode = element(shown, "episode-view")
+    assert '<tr data-key="invalid actions"><th>invalid actions</th><td>3 of 4</td></tr>' in episode  # turns 1, 3, 4
+    assert episode.count("· invalid action</div>") == 3 and 'class="label invalid">action 2 ·' not in episode
+    assert '<option value="invalid">with invalid actions</option>' in shown and 'data-line="invalid"' in shown
+    assert address == f"{page.as_uri()}#stream=train&step=0&task={record['task_id']}&sample={record['sample_index']}"
+
+
+@pytest.mark.slow
 def test_without_an_address_it_opens_the_last_step_and_evaluations_are_browsable(run_dir, tmp_path):
     page = build_viewer(run_dir, steps=2)
     shown = dom(page, "", tmp_path)

@@ -89,13 +89,14 @@ def same_task_groups(trajectories: list[Trajectory], group_sizes: list[int]) -> 
 
 
 def score_groups(
-    groups: list[Group], reward_kind: str, quarantine_as_failure: bool = False
+    groups: list[Group], reward_kind: str, quarantine_as_failure: bool = False, advantage_std: bool = True
 ) -> tuple[list[Trajectory], torch.Tensor]:
     """Quarantine, then reward, then Eq. 3 (`step_advantages`) over the step's groups, padded to the largest.
     Returns the survivors, in order, and their advantages.
 
     With `quarantine_as_failure` (the sensitivity ablation of Appendix G) quarantined episodes are scored 0
-    instead of removed; they carry no tokens either way, since their trajectory is not the policy's doing.
+    instead of removed; they carry no tokens either way, since their trajectory is not the policy's doing. Without
+    `advantage_std` (the no_std ablation) the advantages are only centred by the group's mean.
     """
     shape = (len(groups), max(group.size for group in groups))
     present, quarantined, rewards = (
@@ -109,7 +110,7 @@ def score_groups(
         rewards[g, : group.size] = torch.tensor(
             [0.0 if t.quarantine else t.reward(reward_kind) for t in group.trajectories]
         )
-    advantages = step_advantages(rewards, quarantined, quarantine_as_failure, present)
+    advantages = step_advantages(rewards, quarantined, quarantine_as_failure, present, advantage_std)
     survivors = [t for group in groups for t in group.scored]
     return survivors, advantages[present & ~quarantined]
 
@@ -125,16 +126,22 @@ class StepStats:
     groups_by_tier: dict[int, int] = field(default_factory=dict)
     scored_per_group: float = 0.0  # rollouts left per group after quarantine: Eq. 4's n
     scored_sizes_by_tier: dict[int, list[int]] = field(default_factory=dict)  # each group's n, by tier
+    invalid_example: tuple[str, int] | None = None  # (task id, sample index): the first episode with an invalid action
     metrics: dict[str, float] = field(default_factory=dict)  # rollout/ quarantine/ reward/ success/ ... coverage/
 
     @classmethod
     def of(cls, groups: list[Group], reward_kind: str) -> "StepStats":
-        """Per episode: rewards, lengths, turns, truncation, endings and the quarantine reasons; per group (Fig. 3):
-        its tier, scored n, successes and composition (`coverage/<kind>[_tier<K>]`, `coverage/group_size[_tier<K>]`).
+        """Per episode: rewards, lengths, turns, truncation, endings, invalid actions and the quarantine reasons; per
+        group (Fig. 3): its tier, scored n, successes and composition (`coverage/<kind>[_tier<K>]`,
+        `coverage/group_size[_tier<K>]`). Format health, `health/invalid_action_frac[_tier<K>]`: the share of the
+        actions the environment answered that were invalid for it (`StepResult.valid`), over the scored episodes, as
+        every per-episode statistic: a quarantined episode's actions are left out with it (a fault cut it short).
         """
         quarantined, endings, outcomes, tampers = Counter(), Counter(), Counter(), Counter()
         rewards, response_tokens, turns, truncated = [], 0, 0, 0
         by_tier: dict[int, list[Group]] = defaultdict(list)
+        actions: dict[int, list[int]] = defaultdict(lambda: [0, 0])  # tier -> [invalid actions, actions answered]
+        invalid_example = None
         for group in groups:
             by_tier[group.task.tier].append(group)
             for t in group.trajectories:
@@ -146,6 +153,10 @@ class StepStats:
                 turns += t.num_turns
                 truncated += t.truncated
                 endings[t.ending] += 1
+                actions[group.task.tier][0] += len(t.invalid_turns)
+                actions[group.task.tier][1] += t.actions
+                if t.invalid_turns and invalid_example is None:
+                    invalid_example = (t.task.task_id, t.sample_index)
                 if t.verdict and t.verdict.outcome:
                     outcomes[t.verdict.outcome] += 1  # an environment's named endings (SWE-bench: resolved, ...)
                 if t.verdict and t.verdict.tamper:
@@ -173,6 +184,12 @@ class StepStats:
             metrics.update({f"ending/{ending}": count / scored for ending, count in endings.items()})
             metrics.update({f"outcome/{outcome}": count for outcome, count in outcomes.items()})
             metrics.update({f"outcome/tamper_{action}": count for action, count in tampers.items()})
+        invalid, answered = (sum(counts[i] for counts in actions.values()) for i in (0, 1))
+        if answered:
+            metrics["health/invalid_action_frac"] = invalid / answered
+            metrics.update(
+                {f"health/invalid_action_frac_tier{tier}": bad / n for tier, (bad, n) in sorted(actions.items()) if n}
+            )
         n_groups = max(1, len(groups))
         compositions = Counter(group.composition for group in groups)
         metrics.update({f"coverage/{kind}": compositions[kind] / n_groups for kind in COMPOSITIONS})
@@ -191,6 +208,7 @@ class StepStats:
             scored_sizes_by_tier={
                 tier: [len(group.scored) for group in tier_groups] for tier, tier_groups in by_tier.items()
             },
+            invalid_example=invalid_example,
             metrics=metrics,
         )
 
@@ -331,6 +349,7 @@ class RolloutDataModule(L.LightningDataModule):
         drop_hardest: bool = False,
         hardest_tier: int | None = None,
         quarantine_as_failure: bool = False,
+        advantage_std: bool = True,
         max_quarantine_fraction: float = 0.5,
         rollout_timeout_s: float = 14400.0,
         trajectory_log=None,
@@ -344,6 +363,7 @@ class RolloutDataModule(L.LightningDataModule):
         self.group_size, self.tasks_per_step = group_size, tasks_per_step
         self.budget, self.sampling, self.reward = budget, sampling, reward
         self.quarantine_as_failure, self.max_quarantine_fraction = quarantine_as_failure, max_quarantine_fraction
+        self.advantage_std = advantage_std
         self.seed, self.rollout_timeout_s, self.trajectory_log = seed, rollout_timeout_s, trajectory_log
         self.batches_delivered = 0  # rollout steps handed to the trainer by this process (every rank counts alike)
         self.split, self.drop_hardest, self.hardest_tier = split, drop_hardest, hardest_tier
@@ -451,7 +471,7 @@ class RolloutDataModule(L.LightningDataModule):
             f"rollout step {self.step}",
         )
         groups = same_task_groups(trajectories, sizes)
-        survivors, advantages = score_groups(groups, self.reward, self.quarantine_as_failure)
+        survivors, advantages = score_groups(groups, self.reward, self.quarantine_as_failure, self.advantage_std)
         stats = StepStats.of(groups, self.reward)
         if adaptive:
             self.group_size.observe(groups)

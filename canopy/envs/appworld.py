@@ -29,7 +29,9 @@ Fault attribution, from AppWorld's real behaviour:
 - The agent's exceptions, syntax errors, forbidden calls (`os._exit` ...) and infinite loops come back as
   AppWorld's "Execution failed. Traceback: ..." observations (its per-cell timeout, `cell_timeout_s`, stops a
   loop), as in AppWorld's own harness: the episode goes on and, unless the agent recovers, ends at the turn
-  limit with reward 0.
+  limit with reward 0. Such a failure before any API call (the world's API-call log did not grow: a syntax error,
+  refused code, or an exception or timeout before the first call), like a reply without a code block, is an
+  invalid action (`StepResult.valid`, format health); a failure after a call is a valid action that went wrong.
 - Agent code that outlives that timeout anyway (it swallows the alarm or blocks in C), or that breaks the
   request executing it (it tampered with AppWorld's objects), is an `AgentFailure` (`agent_timeout`,
   `agent_broke_world`; scored 0), and the server is replaced.
@@ -108,6 +110,7 @@ TASK_PROMPT = """\
 My name is: {first_name} {last_name}. My personal email is {email} and phone number is {phone_number}.
 Task: {instruction}"""
 SPLITS = ("train", "dev", "test_normal", "test_challenge")
+EXECUTION_FAILED = "Execution failed."  # how AppWorld's output of a syntax error, refused code or an exception begins
 SOCKET_PATH_MAX = 107  # bytes: Linux's sun_path holds 108 with the terminating NUL
 SERVER_HOME_PREFIX, SERVER_SOCKET = "appworld-", "server.sock"  # <scratch>/appworld-XXXXXXXX/server.sock
 
@@ -269,7 +272,9 @@ class AppWorldEpisode:
         self._check_identity()
         code = extract_code(action_text)
         if code is None:
-            return StepResult("No ```python``` code block found. Reply with exactly one code block.", done=False)
+            text = "No ```python``` code block found. Reply with exactly one code block."
+            return StepResult(text, done=False, valid=False)
+        calls = self._api_call_log_size()
         try:
             output = self.server.call(
                 "execute", timeout=self.env.cell_timeout_s + 15, task_id=self.task.task_id, code=code
@@ -280,8 +285,17 @@ class AppWorldEpisode:
             self.env.discard_server()  # a live server that failed on the agent's code: the agent's doing
             reason = "agent_timeout" if fault.reason == "appworld_server_unresponsive" else "agent_broke_world"
             raise AgentFailure(reason, str(fault))
+        failed_first = output.startswith(EXECUTION_FAILED) and self._api_call_log_size() == calls
         done = self.server.call("task_completed", task_id=self.task.task_id)
-        return StepResult(output[: self.env.max_observation_chars], done=bool(done))
+        return StepResult(output[: self.env.max_observation_chars], done=bool(done), valid=not failed_first)
+
+    def _api_call_log_size(self) -> int:
+        """The size of the world's API-call log, which AppWorld rewrites (a line per call of the world so far) after
+        every execution it runs: it grows exactly when the code called an API. Read from here, never opened."""
+        try:
+            return (Path(self.experiment) / "tasks" / self.task.task_id / "logs" / "api_calls.jsonl").lstat().st_size
+        except OSError:
+            return 0  # none yet (no execution ran), or the policy's code removed it
 
     def verdict(self) -> Verdict:
         """AppWorld's evaluation, by the grader, of this world's end state as AppWorld saved it after the last step."""

@@ -51,10 +51,13 @@ class Verdict:
 
 @dataclass(frozen=True)
 class StepResult:
-    """What the environment returns for one action: the observation text and whether the episode is over."""
+    """What the environment returns for one action: the observation text, whether the episode is over, and whether
+    the action was a valid action for the environment at all (`valid`: its own format rule, e.g. one code block;
+    format health, `health/invalid_action_frac`). An invalid action is an observation, not an ending."""
 
     observation: str
     done: bool
+    valid: bool = True
 
 
 class Episode(Protocol):

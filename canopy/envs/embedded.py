@@ -6,7 +6,8 @@ blindly repeating a fixed script undoes progress: the agent has to read the feed
 with `status : <word>` naming the first unmet prerequisite. The tier of a task is the number of chain steps
 its goal still needs (1, 2 or 3); its unit tests are one state check per goal step, so the sparse reward is
 "all checks pass" (Eq. 2) and the dense reward is the pass fraction (Eq. 1). The episode ends as soon as every
-check passes, or when the agent runs out of turns or tokens.
+check passes, or when the agent runs out of turns or tokens. A reply that holds no command word is an unknown
+command, the world's invalid action (`StepResult.valid`); a known command whose prerequisite is unmet is valid.
 
 With `env.declare_done` (the paper-checks testbed, `experiment=testbed`), tasks differ: the status names the first
 unmet step of the whole chain, not of the task's goal, and the episode ends only when the agent says `done` (or
@@ -121,8 +122,8 @@ class VaultEpisode:
         words = action_text.split()  # the first command word counts; under declare_done the last, since the
         # reply may restate the goal, whose words include `open`
         command = next((word for word in (words[::-1] if self.declare_done else words) if word in commands), None)
-        if command is None:
-            return StepResult(f"error : no command . {self._state_line()}", done=False)
+        if command is None:  # an unknown command: the one invalid action of this world
+            return StepResult(f"error : no command . {self._state_line()}", done=False, valid=False)
         if command == FINISH:
             self.declared = True
             return StepResult(f"ok : done . {self._state_line()}", done=True)

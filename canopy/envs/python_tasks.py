@@ -2,10 +2,10 @@
 
 Each task asks for a value to be computed and handed in with `submit(value)`, a helper prepended to every
 action, which writes `answer.txt` in the episode's scratch directory and ends the episode. The task's unit
-tests check that an answer exists and that it is right (sparse: both; dense: the pass fraction). Exceptions
-and syntax errors come back as the observation; an action that breaks a sandbox limit or crashes its own
-process ends the episode as the agent's failure. Tiers: 1 = write a given number, 2 = a sum over a range,
-3 = a sorted, comma-joined word list.
+tests check that an answer exists and that it is right (sparse: both; dense: the pass fraction). A reply without
+a code block is an invalid action (`StepResult.valid`). Exceptions and syntax errors come back as the observation;
+an action that breaks a sandbox limit or crashes its own process ends the episode as the agent's failure. Tiers:
+1 = write a given number, 2 = a sum over a range, 3 = a sorted, comma-joined word list.
 
 Before every step the episode checks that its scratch directory still carries its own identity (written
 where the sandboxed code cannot write): a mismatch is cross-episode corruption, a serving-layer fault.
@@ -92,7 +92,7 @@ class PythonTaskEpisode:
         self._check_identity()
         code = extract_code(action_text)
         if code is None:
-            return StepResult("No ```python``` block found. Reply with one code block.", done=False)
+            return StepResult("No ```python``` block found. Reply with one code block.", done=False, valid=False)
         result = run_sandboxed(PRELUDE + code, self.scratch, self.limits)
         if result.agent_fault:
             raise AgentFailure(f"agent_{result.status}", result.output[-200:])

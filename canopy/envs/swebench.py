@@ -4,11 +4,12 @@ image, graded by swebench 5.x in a fresh sandbox of the same image.
 Harness (mini-swe-agent 1.17.5, read from the installed package at run time, never copied): its
 `config/extra/swebench.yaml` templates (system, instance, observation, format error) and `AgentConfig`'s
 `timeout_template` and `action_regex`, rendered with jinja2 as its `DefaultAgent` does. A reply must hold exactly
-one ```bash block, else the format-error template comes back (not an ending); each command runs in a fresh
-`bash -lc` in /testbed with its `timeout` (60 s), and a command past it comes back as the timeout template (not an
-ending). The episode is submitted when a command's first output line is `COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT`
-and it exits 0; the rest of its output is the patch. Observations past 10,000 characters are cut by the
-template itself (first and last 5,000); the budget's tool-response cap then applies in tokens.
+one ```bash block, else the format-error template comes back (not an ending; an invalid action, `StepResult.valid`);
+each command runs in a fresh `bash -lc` in /testbed with its `timeout` (60 s), and a command past it comes back as
+the timeout template (not an ending). The episode is submitted when a command's first output line is
+`COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT` and it exits 0; the rest of its output is the patch. Observations past
+10,000 characters are cut by the template itself (first and last 5,000); the budget's tool-response cap then applies
+in tokens.
 
 Rewards (Table A3), as `Verdict.outcome`:
   resolved 1 | unresolved 0 (tests fail, error or hang) |
@@ -229,7 +230,8 @@ class SWEBenchEpisode:
             return StepResult("The rollout timed out.", done=True)
         actions = self.harness.actions(action_text)
         if len(actions) != 1:
-            return StepResult(self.harness.render("format_error_template", actions=actions), done=False)
+            text = self.harness.render("format_error_template", actions=actions)
+            return StepResult(text, done=False, valid=False)  # not exactly one bash block: an invalid action
         result = self._run(actions[0], self.env.command_timeout)
         if result.timed_out:
             text = self.harness.render("timeout_template", action={"action": actions[0]}, output=result.output)

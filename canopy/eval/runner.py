@@ -26,12 +26,14 @@ def with_budget(cfg: DictConfig, budget_cfg: DictConfig) -> DictConfig:
 
 @dataclass
 class Sampled:
-    """k evaluation runs per task: {task id: k sparse outcomes}, the quarantined count, and the count of each named
-    outcome (`Verdict.outcome`, e.g. SWE-bench's resolved / unresolved / image_unavailable)."""
+    """k evaluation runs per task: {task id: k sparse outcomes}, the quarantined count, the count of each named
+    outcome (`Verdict.outcome`, e.g. SWE-bench's resolved / unresolved / image_unavailable), and per tier the scored
+    episodes' invalid actions and the actions the environment answered (format health)."""
 
     runs: dict[str, list[float]]
     quarantined: int
     outcomes: Counter
+    actions_by_tier: dict[int, list[int]]  # tier -> [invalid actions, actions answered]
 
 
 def sample_runs(
@@ -60,11 +62,14 @@ def sample_runs(
         trajectories, max_quarantine_fraction, getattr(env, "max_concurrent_episodes", None), description
     )
     runs: dict[str, list[float]] = defaultdict(list)
+    actions: dict[int, list[int]] = defaultdict(lambda: [0, 0])
     for t in trajectories:
         if t.quarantine is None:
             runs[t.task.task_id].append(float(t.verdict is not None and t.verdict.success))
+            actions[t.task.tier][0] += len(t.invalid_turns)
+            actions[t.task.tier][1] += t.actions
     outcomes = Counter(t.verdict.outcome for t in trajectories if t.verdict is not None and t.verdict.outcome)
-    return Sampled(dict(runs), sum(t.quarantine is not None for t in trajectories), outcomes)
+    return Sampled(dict(runs), sum(t.quarantine is not None for t in trajectories), outcomes, dict(actions))
 
 
 def evaluation(tasks: list[Task], sampled: Sampled, **meta) -> dict:

@@ -51,6 +51,7 @@ class AlgorithmSettings:
     clip_high: float
     loss_aggregation: str
     reward: str
+    advantage_std: bool
     entropy_coef: float
     minibatches_per_step: int
     quarantine_as_failure: bool

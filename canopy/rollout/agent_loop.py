@@ -85,6 +85,8 @@ class Trajectory:
     token_versions: list[int] = field(default_factory=list)  # aligned: the weight version that sampled it, else -1
     num_turns: int = 0
     response_tokens: int = 0
+    actions: int = 0  # actions the environment answered (a `StepResult`)
+    invalid_turns: list[int] = field(default_factory=list)  # the turns (from 1) whose action was invalid for it
     ending: str = ""  # done | turn_limit | token_budget | context_limit | agent_failure | quarantined
     verdict: Verdict | None = None
     agent_failure: str | None = None
@@ -477,6 +479,9 @@ def _step(item: _Live, generation, tokenizer, budget: Budget, turn_end: int) -> 
     except AgentFailure as failure:
         t.agent_failure = failure.reason
         return "agent_failure"
+    t.actions += 1
+    if not result.valid:
+        t.invalid_turns.append(t.num_turns)
     if result.done:
         return "done"
     if t.num_turns >= budget.max_turns:

@@ -1,4 +1,4 @@
-"""End-of-run report: base vs final success on the training tasks, by tier."""
+"""End-of-run report: base vs final success on the training tasks, and their invalid-action share, by tier."""
 
 import json
 from dataclasses import dataclass
@@ -12,10 +12,12 @@ from canopy.eval.runner import sample_runs
 from canopy.modules.parallel import alone_on_rank0
 
 
-def success_by_tier(datamodule, samples_per_task: int, description: str) -> dict[str, float]:
-    """Mean sparse success (mean@k TGC) of the engine's current weights over every pool task, by tier."""
+def training_task_report(datamodule, samples_per_task: int, description: str) -> dict[str, dict[str, float]]:
+    """The engine's current weights over every pool task: `success`, the mean sparse success (mean@k TGC), and
+    `invalid_action_frac`, the share of the actions the environment answered that were invalid for it (format
+    health, `invalid_action_fracs`), each by tier and over all."""
     dm = datamodule
-    runs = sample_runs(
+    sampled = sample_runs(
         dm.engine,
         dm.env,
         dm.tokenizer,
@@ -26,8 +28,18 @@ def success_by_tier(datamodule, samples_per_task: int, description: str) -> dict
         seed=-len(dm.tasks) * samples_per_task,
         description=description,
         max_quarantine_fraction=dm.max_quarantine_fraction,
-    ).runs
-    return {tier: row["tgc_mean"] for tier, row in summarize(dm.tasks, runs).items()}
+    )
+    return {
+        "success": {tier: row["tgc_mean"] for tier, row in summarize(dm.tasks, sampled.runs).items()},
+        "invalid_action_frac": invalid_action_fracs(sampled.actions_by_tier),
+    }
+
+
+def invalid_action_fracs(actions_by_tier: dict[int, list[int]]) -> dict[str, float]:
+    """{"all" | "tier<K>": invalid actions / actions answered}, where any action was answered."""
+    total = [sum(counts[i] for counts in actions_by_tier.values()) for i in (0, 1)]
+    rows = [("all", total), *((f"tier{tier}", counts) for tier, counts in sorted(actions_by_tier.items()))]
+    return {name: invalid / answered for name, (invalid, answered) in rows if answered}
 
 
 @dataclass
@@ -44,8 +56,8 @@ class ReportSettings:
 
 
 class BaseSuccess(L.Callback):
-    """`success_by_tier` of the base policy, measured by rank 0 when training starts, before the first rollout (the
-    other ranks wait on the store, outside any collective); `result` is None on the other ranks."""
+    """`training_task_report` of the base policy, measured by rank 0 when training starts, before the first rollout
+    (the other ranks wait on the store, outside any collective); `result` is None on the other ranks."""
 
     def __init__(self, samples_per_task: int):
         self.samples_per_task, self.result = samples_per_task, None
@@ -55,18 +67,25 @@ class BaseSuccess(L.Callback):
             trainer,
             "canopy/base_success",
             "base-policy evaluation",
-            lambda: success_by_tier(trainer.datamodule, self.samples_per_task, "evaluating base policy"),
+            lambda: training_task_report(trainer.datamodule, self.samples_per_task, "evaluating base policy"),
         )
 
 
 def format_comparison(base: dict[str, float], final: dict[str, float]) -> str:
+    """A markdown table of the rows both have."""
     rows = ["| tasks | base | final | change |", "|---|---|---|---|"]
-    rows += [f"| {key} | {base[key]:.3f} | {final[key]:.3f} | {final[key] - base[key]:+.3f} |" for key in base]
+    rows += [f"| {k} | {base[k]:.3f} | {final[k]:.3f} | {final[k] - base[k]:+.3f} |" for k in base if k in final]
     return "\n".join(rows)
 
 
-def write_summary(run_dir: Path, base: dict[str, float], final: dict[str, float]) -> str:
-    (run_dir / "summary.json").write_text(json.dumps({"base": base, "final": final}, indent=2))
-    table = format_comparison(base, final)
-    (run_dir / "summary.md").write_text(f"Success on the training tasks (sparse reward)\n\n{table}\n")
-    return table
+def write_summary(run_dir: Path, base: dict[str, dict[str, float]], final: dict[str, dict[str, float]]) -> str:
+    """`summary.json` and `summary.md` from the base and final `training_task_report`; returns the tables."""
+    health = {"base": base["invalid_action_frac"], "final": final["invalid_action_frac"]}
+    summary = {"base": base["success"], "final": final["success"], "invalid_action_frac": health}
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    tables = (
+        f"{format_comparison(base['success'], final['success'])}\n\nInvalid actions (share of the actions the "
+        f"environment answered):\n{format_comparison(health['base'], health['final'])}"
+    )
+    (run_dir / "summary.md").write_text(f"Success on the training tasks (sparse reward)\n\n{tables}\n")
+    return tables

@@ -1,11 +1,12 @@
 """The rollout viewer: one self-contained HTML page per run (`<run>/viewer.html`; no server, opens from disk).
 
-It shows the run's figures (the PNGs in the run folder, inlined), train success by tier against the step from the
-trajectory logs' index (every logged step, even pruned ones), and a browser of the last `steps` logged steps of each
-stream (train, and each evaluation): groups by task with their successes, the episodes of a group with reward and
-advantage, and an episode turn by turn, the policy's actions set apart from what the environment returned. Long
-texts are cut to `max_chars` (head and tail kept). The address names what is shown
-(`viewer.html#stream=train&step=12&task=T&sample=3`), so a link opens that episode.
+It shows the run's figures (the PNGs in the run folder, inlined), train success by tier, group composition and the
+invalid-action share (format health) against the step from the trajectory logs' index (every logged step, even pruned
+ones), and a browser of the last `steps` logged steps of each stream (train, and each evaluation): groups by task
+with their successes, the episodes of a group with reward and advantage, and an episode turn by turn, the policy's
+actions set apart from what the environment returned, its invalid actions marked. Long texts are cut to `max_chars`
+(head and tail kept). The address names what is shown (`viewer.html#stream=train&step=12&task=T&sample=3`,
+`episode_address`), so a link opens that episode.
 
     python -m canopy.tools.episodes view <run dir> [--steps 5] [--max-chars 4000]
 """
@@ -15,6 +16,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from urllib.parse import urlencode
 
 from canopy.trajectories import read_index, read_step, step_files, step_summary
 
@@ -64,6 +66,12 @@ def figures(run_dir: Path) -> list[tuple[str, str]]:
     found = {p.name: p for p in run_dir.glob("*.png")}
     names = [n for n in FIGURES if n in found] + sorted(set(found) - set(FIGURES))
     return [(n, "data:image/png;base64," + base64.b64encode(found[n].read_bytes()).decode()) for n in names]
+
+
+def episode_address(run_dir: str | Path, stream: str, step: int, task_id: str, sample: int) -> str:
+    """The `file://` address of the run's page opened at one episode."""
+    where = urlencode({"stream": stream, "step": step, "task": task_id, "sample": sample})
+    return f"{(Path(run_dir) / 'viewer.html').absolute().as_uri()}#{where}"
 
 
 def build_viewer(run_dir: str | Path, steps: int = 5, max_chars: int = 4000) -> Path:
