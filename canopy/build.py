@@ -151,7 +151,7 @@ def build_group_size(cfg: DictConfig) -> "int | AdaptiveGroups":
     if a.group_size != "auto":
         return a.group_size
     g = a.adaptive_group
-    return AdaptiveGroups(cfg.data.tasks_per_step * g.mean, g.tau, g.floor, g.cap, g.decay)
+    return AdaptiveGroups(cfg.data.tasks_per_step * g.mean, g.floor, g.cap, g.decay)
 
 
 def build_module(cfg: DictConfig, model_path: str, engine: EngineHandle | None = None) -> CanopyModule:

@@ -1,5 +1,6 @@
 """Signal coverage under a sparse reward (Section 3.2, Eqs. 4-5)."""
 
+import heapq
 import math
 from dataclasses import dataclass
 
@@ -38,25 +39,28 @@ def group_composition(successes: int, n: int) -> str:
     return "mixed"
 
 
-def allocate_rollouts(wanted: list[float], budget: int, floor: int, cap: int) -> list[int]:
-    """A step's `budget` rollouts split over its tasks in proportion to the group size each one `wanted` (Eq. 5 at
-    its success estimate), each between `floor` and `cap`, summing to `budget` exactly: the scale s with
-    sum(clip(s * wanted_i, floor, cap)) = budget by bisection, then the fractions rounded by largest remainder."""
-    if not len(wanted) * floor <= budget <= len(wanted) * cap:
-        raise ValueError(f"{budget} rollouts cannot give {len(wanted)} tasks between {floor} and {cap} each")
+def mixing_gain(p: float, n: int) -> float:
+    """P_sig(p, n + 1) - P_sig(p, n) = p^n (1-p) + (1-p)^n p: what one more rollout adds to a group's chance of mixing
+    outcomes (Eq. 4). It falls as n grows, and is small both for a task that always succeeds and one that never does."""
+    return p**n * (1.0 - p) + (1.0 - p) ** n * p
 
-    def sizes(scale: float) -> list[float]:
-        return [min(cap, max(floor, scale * w)) for w in wanted]
 
-    low, high = 0.0, cap / min(wanted)  # every task at its floor, then at its cap
-    for _ in range(200):
-        middle = (low + high) / 2
-        low, high = (middle, high) if sum(sizes(middle)) < budget else (low, middle)
-    exact = sizes(high)
-    counts = [math.floor(x) for x in exact]
-    by_remainder = sorted(range(len(exact)), key=lambda i: exact[i] - counts[i], reverse=True)
-    for i in by_remainder[: budget - sum(counts)]:  # sum(exact) = budget, so fewer than len(wanted) are left
+def allocate_rollouts(rates: list[float], budget: int, floor: int, cap: int) -> list[int]:
+    """A step's `budget` rollouts split over its tasks (running success estimates `rates`) to maximize the expected
+    number of mixed groups, sum_i P_sig(p_i, n_i) (Eq. 4), each n_i between `floor` and `cap`: every task starts at
+    the floor, then each further rollout goes to the task it helps most (`mixing_gain`). Greedy is optimal here,
+    since each task's gain falls with its n. A task far below the others (p << 1/cap) keeps the floor: Eq. 5 would
+    want more rollouts for it than the cap allows, and they would mostly all fail."""
+    if not len(rates) * floor <= budget <= len(rates) * cap:
+        raise ValueError(f"{budget} rollouts cannot give {len(rates)} tasks between {floor} and {cap} each")
+    counts = [floor] * len(rates)
+    heap = [(-mixing_gain(p, floor), i) for i, p in enumerate(rates) if floor < cap]
+    heapq.heapify(heap)
+    for _ in range(budget - floor * len(rates)):
+        _, i = heapq.heappop(heap)  # the largest gain; ties to the first task
         counts[i] += 1
+        if counts[i] < cap:
+            heapq.heappush(heap, (-mixing_gain(rates[i], counts[i]), i))
     return counts
 
 
@@ -68,7 +72,6 @@ class AdaptiveGroupSettings:
     mean: int
     floor: int
     cap: int
-    tau: float
     decay: float
 
     def validate(self) -> None:
@@ -77,7 +80,6 @@ class AdaptiveGroupSettings:
             f"algorithm.adaptive_group floor={self.floor} / mean={self.mean} / cap={self.cap}: need integers with "
             "2 <= floor <= mean <= cap",
         )
-        require(0 < self.tau < 1, f"algorithm.adaptive_group.tau={self.tau} must lie strictly between 0 and 1 (Eq. 5)")
         require(0 <= self.decay <= 1, f"algorithm.adaptive_group.decay={self.decay} must lie in [0, 1]")
 
 

@@ -100,7 +100,7 @@ def test_each_ablation_changes_one_thing(ablation, key, value):
         ("algorithm.group_size=many", "or auto"),
         ("algorithm.adaptive_group.floor=1", "2 <= floor <= mean <= cap"),
         ("algorithm.adaptive_group.cap=8", "2 <= floor <= mean <= cap"),
-        ("algorithm.adaptive_group.tau=1.0", "adaptive_group.tau"),
+        ("algorithm.adaptive_group.decay=1.5", "adaptive_group.decay"),
         ("algorithm.kl_coef=-0.1", "kl_coef"),
         ("algorithm.loss_aggregation=sum", "loss_aggregation"),
         ("algorithm.reward=shaped", "reward"),
@@ -170,7 +170,7 @@ def test_cli_prints_one_line_and_fails():
     assert run.returncode != 0
     assert run.stderr.strip().splitlines() == [
         "config error: algorithm.group_size=1: group-relative advantages need >= 2 rollouts per task; "
-        "set algorithm.group_size >= 2, or auto (Eq. 5 per task, algorithm.adaptive_group)"
+        "set algorithm.group_size >= 2, or auto (per-task sizes, algorithm.adaptive_group)"
     ]
 
 

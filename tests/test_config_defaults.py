@@ -125,7 +125,7 @@ def test_schema_defaults_are_written_once():
         ("env.pool.wokers=2", "not in 'PoolSettings'"),
         ("env.sandbox.memory_mb=lots", "converted to Integer"),
         ("algorithm.kl_coeff=0.1", "not in 'AlgorithmSettings'"),
-        ("algorithm.adaptive_group.tau=high", "converted to Float"),
+        ("algorithm.adaptive_group.decay=high", "converted to Float"),
         ("optim.lr=fast", "converted to Float"),
         ("trainer.memory_check=maybe", "not a valid bool"),
         ("algorithm.advantage_std=maybe", "not a valid bool"),
@@ -196,6 +196,7 @@ def test_each_section_schema_types_exactly_the_keys_train_yaml_sets():
             "algorithm.kl_coeff is not a key of AlgorithmSettings: did you mean algorithm.kl_coef",
         ),
         (["env.pool.wokers=3"], "env.pool.wokers is not a key of PoolSettings: did you mean env.pool.workers?"),
+        (["algorithm.adaptive_group.flor=3"], "did you mean algorithm.adaptive_group.floor?"),
         (["optim.lr=fast"], "optim.lr: Value 'fast' of type 'str' could not be converted to Float"),
         (["budget=huge"], "Could not find 'budget/huge': use one of embedded, embedded_enlarged, enlarged, swebench"),
         (["seed"], "Error parsing override 'seed': missing EQUAL"),
@@ -228,5 +229,5 @@ def test_a_key_added_to_a_schema_node_is_refused_not_ignored():
     refused at start instead."""
     with pytest.raises(ConfigError, match="algorithm.kl_coeff is not a key of AlgorithmSettings"):
         validate(config("+algorithm.kl_coeff=0.1"))
-    with pytest.raises(ConfigError, match="algorithm.adaptive_group.tauu is not a key of AdaptiveGroupSettings"):
-        validate(config("+algorithm.adaptive_group.tauu=0.5"))
+    with pytest.raises(ConfigError, match="algorithm.adaptive_group.tau is not a key of AdaptiveGroupSettings"):
+        validate(config("+algorithm.adaptive_group.tau=0.5"))

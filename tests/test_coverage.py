@@ -1,3 +1,4 @@
+import itertools
 import json
 import math
 import random
@@ -9,6 +10,7 @@ from canopy.coverage import (
     allocate_rollouts,
     group_composition,
     group_size_for_coverage,
+    mixing_gain,
     signal_coverage,
 )
 
@@ -58,30 +60,45 @@ def test_group_composition():
     assert group_composition(3, 8) == "mixed"
 
 
-def test_allocation_follows_eq5_within_floor_cap_and_budget():
-    """Rollouts in proportion to each task's Eq. 5 size, clipped to [floor, cap], summing to the budget exactly."""
-    wanted = [group_size_for_coverage(p, 0.9) for p in (0.02, 0.1, 0.5, 0.9)]  # 114, 22, 4, 1
-    sizes = allocate_rollouts(wanted, budget=128, floor=4, cap=64)
-    assert sum(sizes) == 128 and all(4 <= n <= 64 for n in sizes)
-    assert sizes == sorted(sizes, reverse=True)  # the hardest task gets the most, the easiest the floor
-    assert sizes[0] == 64 and sizes[-1] == 4  # the hardest task is capped, never dropped
-    assert allocate_rollouts([10, 10, 10], budget=31, floor=2, cap=32) in ([11, 10, 10], [10, 11, 10], [10, 10, 11])
-    assert allocate_rollouts([1, 1000], budget=10, floor=2, cap=8) == [2, 8]
-    assert allocate_rollouts([5, 5], budget=4, floor=2, cap=8) == [2, 2]  # the budget at its least
+def test_allocation_maximizes_expected_mixed_groups_by_hand():
+    """Each rollout past the floor goes to the largest gain P_sig(p, n+1) - P_sig(p, n) = p^n (1-p) + (1-p)^n p.
+    From [2, 2] at p = (0.5, 0.1): gains 0.25 vs 0.09 -> [3, 2]; 0.125 vs 0.09 -> [4, 2]; 0.0625 vs 0.09 -> [4, 3];
+    0.0625 vs 0.0738 -> [4, 4]."""
+    assert mixing_gain(0.5, 2) == 0.25 and mixing_gain(0.1, 3) == pytest.approx(0.001 * 0.9 + 0.729 * 0.1)
+    assert [allocate_rollouts([0.5, 0.1], budget, floor=2, cap=8) for budget in (4, 5, 6, 7, 8)] == [
+        [2, 2],
+        [3, 2],
+        [4, 2],
+        [4, 3],
+        [4, 4],
+    ]
+    assert allocate_rollouts([0.5, 0.1], budget=16, floor=2, cap=8)[1] == 8  # capped
     with pytest.raises(ValueError, match="cannot give 3 tasks between 4 and 8"):
-        allocate_rollouts([1, 2, 3], budget=10, floor=4, cap=8)
+        allocate_rollouts([0.1, 0.2, 0.3], budget=10, floor=4, cap=8)
+
+
+def test_a_task_far_below_the_others_keeps_the_floor():
+    """Issue 32: with Eq. 5's sizes split in proportion, a near-impossible task (p = 0.001: Eq. 5 wants 2,302 at
+    tau = 0.9) took most of the step, mostly all-fail, and left the learnable tasks at the floor of 4."""
+    sizes = allocate_rollouts([0.001] + [0.25] * 7, budget=128, floor=4, cap=128)
+    assert sizes[0] == 4 and sum(sizes) == 128 and min(sizes[1:]) >= 17
+    expected = sum(signal_coverage(p, n) for p, n in zip([0.001] + [0.25] * 7, sizes))
+    old = sum(signal_coverage(p, n) for p, n in zip([0.001] + [0.25] * 7, [100] + [4] * 7))
+    assert expected > 6.9 and old < 5.0  # expected mixed groups out of 8
 
 
 @pytest.mark.parametrize("seed", range(20))
-def test_allocation_always_meets_its_bounds(seed):
+def test_allocation_is_optimal_and_meets_its_bounds(seed):
+    """Greedy equals the best split found by brute force (small cases), and always meets floor, cap and budget."""
     rng = random.Random(seed)
-    k, floor, cap = rng.randint(1, 30), rng.randint(2, 6), rng.randint(8, 70)
-    wanted = [rng.uniform(1, 200) for _ in range(k)]
+    k, floor, cap = rng.randint(1, 3), rng.randint(2, 4), rng.randint(5, 9)
+    rates = [rng.uniform(0.01, 0.99) for _ in range(k)]
     budget = rng.randint(k * floor, k * cap)
-    sizes = allocate_rollouts(wanted, budget, floor, cap)
+    sizes = allocate_rollouts(rates, budget, floor, cap)
     assert sum(sizes) == budget and all(floor <= n <= cap for n in sizes)
-    for a, b in zip(wanted, sizes):  # monotone: a task that wants more never gets fewer
-        assert all(b >= d for c, d in zip(wanted, sizes) if c < a)
+    value = lambda ns: sum(signal_coverage(p, n) for p, n in zip(rates, ns))  # noqa: E731
+    best = max(value(ns) for ns in itertools.product(range(floor, cap + 1), repeat=k) if sum(ns) == budget)
+    assert value(sizes) == pytest.approx(best, abs=1e-12)
 
 
 def test_success_estimates_shrink_discount_and_resume():

@@ -17,7 +17,7 @@ import lightning as L
 import torch
 import torch.distributed as dist
 
-from canopy.coverage import SuccessEstimates, allocate_rollouts, group_composition, group_size_for_coverage
+from canopy.coverage import SuccessEstimates, allocate_rollouts, group_composition
 from canopy.envs.base import Environment, SystemicFaultError, Task
 from canopy.errors import ConfigError, require
 from canopy.modules.parallel import alone_on_rank0, data_parallel_rank
@@ -214,18 +214,19 @@ class StepStats:
 
 
 class AdaptiveGroups:
-    """`algorithm.group_size=auto` (beyond the paper): each task's group size from Eq. 5 at its running success
-    estimate (`SuccessEstimates`: a pilot even split on first sight, then its own groups), the step's fixed
-    `rollouts_per_step` split over its tasks in proportion (`allocate_rollouts`), between `floor` and `cap`: the
-    hardest tasks get the most rollouts and every sampled task keeps at least `floor` (none is dropped)."""
+    """`algorithm.group_size=auto` (beyond the paper): the step's fixed `rollouts_per_step` split over its tasks to
+    maximize the expected number of mixed groups (Eq. 4 summed, `allocate_rollouts`) at each task's running success
+    estimate (`SuccessEstimates`: a pilot even split on first sight, then its own groups), each between `floor` and
+    `cap`: the tasks nearest p = 1/2 get the most rollouts, and every sampled task keeps at least `floor` (none is
+    dropped)."""
 
-    def __init__(self, rollouts_per_step: int, tau: float, floor: int, cap: int, decay: float):
-        self.rollouts_per_step, self.tau, self.floor, self.cap = rollouts_per_step, tau, floor, cap
+    def __init__(self, rollouts_per_step: int, floor: int, cap: int, decay: float):
+        self.rollouts_per_step, self.floor, self.cap = rollouts_per_step, floor, cap
         self.estimates = SuccessEstimates(decay)
 
     def sizes(self, tasks: list[Task]) -> list[int]:
-        wanted = [group_size_for_coverage(self.estimates.rate(t.task_id, t.tier), self.tau) for t in tasks]
-        return allocate_rollouts(wanted, self.rollouts_per_step, self.floor, self.cap)
+        rates = [self.estimates.rate(t.task_id, t.tier) for t in tasks]
+        return allocate_rollouts(rates, self.rollouts_per_step, self.floor, self.cap)
 
     def observe(self, groups: list[Group]) -> None:
         """Each group's scored outcomes (quarantined episodes left out) update its task's estimate."""

@@ -61,7 +61,7 @@ class AlgorithmSettings:
         require(
             self.group_size == "auto" or (is_int(self.group_size) and self.group_size >= 2),
             f"algorithm.group_size={self.group_size}: group-relative advantages need >= 2 rollouts per task; set "
-            "algorithm.group_size >= 2, or auto (Eq. 5 per task, algorithm.adaptive_group)",
+            "algorithm.group_size >= 2, or auto (per-task sizes, algorithm.adaptive_group)",
         )
         self.adaptive_group.validate()
         require(self.kl_coef >= 0, f"algorithm.kl_coef={self.kl_coef} must be >= 0 (0 disables the KL anchor, no_kl)")
