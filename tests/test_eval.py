@@ -12,13 +12,13 @@ import torch
 from canopy.envs.base import Task
 from canopy.envs.embedded import EmbeddedEnvironment, make_tasks
 from canopy.errors import ConfigError
-from canopy.eval.metrics import best_at_k, mean_at_k, sgc, sgc_best_at_k, sgc_mean_at_k, summarize
+from canopy.eval.metrics import best_at_k, invalid_action_fracs, mean_at_k, sgc, sgc_best_at_k, sgc_mean_at_k, summarize
 from canopy.eval.pilot import format_pilot, pilot_report
-from canopy.eval.runner import checkpoint_weights, format_table3, sample_runs
+from canopy.eval.runner import checkpoint_weights, evaluation, format_scenarios, format_table3, sample_runs
 from canopy.modules.policy import load_policy
 from canopy.rollout.agent_loop import Budget
 from canopy.rollout.engine import LocalEngine, SamplingParams
-from canopy.tools.summary import invalid_action_fracs, write_summary
+from canopy.tools.summary import write_summary
 from canopy.trajectories import read_step
 from tests.scripted import ScriptedEngine
 
@@ -66,6 +66,9 @@ def test_the_summary_compares_base_and_final_success_and_invalid_action_share(to
     assert sampled.actions_by_tier == {1: [1, 2], 2: [2, 3]}  # tier 1 done at its login; tier 2 at the turn limit
     assert invalid_action_fracs(sampled.actions_by_tier) == {"all": 0.6, "tier1": 0.5, "tier2": pytest.approx(2 / 3)}
     assert invalid_action_fracs({3: [0, 0]}) == {}  # nothing answered: no share
+    record = evaluation(tasks, sampled, policy="scripted", budget="b", split="train", k=1)  # evaluate.py's record
+    assert record["invalid_action_frac"] == invalid_action_fracs(sampled.actions_by_tier)
+    assert "invalid actions: all 60.0%, tier1 50.0%, tier2 66.7%" in format_scenarios(record)
     base = {"success": {"all": 0.5, "tier1": 0.75}, "invalid_action_frac": {"all": 0.1, "tier1": 0.2}}
     final = {"success": {"all": 0.75, "tier1": 1.0}, "invalid_action_frac": {"all": 0.3}}
     tables = write_summary(tmp_path, base, final)

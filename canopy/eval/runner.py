@@ -11,7 +11,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from canopy.envs.base import Task
 from canopy.errors import ConfigError
-from canopy.eval.metrics import by_scenario, summarize
+from canopy.eval.metrics import by_scenario, invalid_action_fracs, summarize
 from canopy.modules.policy import iter_hf_weights, load_policy
 from canopy.rollout.agent_loop import run_episodes
 from canopy.rollout.faults import check_systemic_faults
@@ -74,9 +74,11 @@ def sample_runs(
 
 def evaluation(tasks: list[Task], sampled: Sampled, **meta) -> dict:
     """The JSON record of one evaluation: metadata, per-tier metrics (see `metrics.summarize`), mean@k / best@k
-    per scenario (SWE-bench: per repository) and the named outcomes' counts."""
+    per scenario (SWE-bench: per repository), the named outcomes' counts and the share of invalid actions (format
+    health), over all and by tier."""
     record = {**meta, "quarantined": sampled.quarantined, "metrics": summarize(tasks, sampled.runs)}
     record["by_scenario"] = by_scenario(tasks, sampled.runs)
+    record["invalid_action_frac"] = invalid_action_fracs(sampled.actions_by_tier)  # format health
     if sampled.outcomes:
         record["outcomes"] = dict(sampled.outcomes.most_common())
     return record
@@ -128,6 +130,9 @@ def format_scenarios(result: dict) -> str:
         rows.append(f"| {scenario} | {row['tasks']} | {100 * row['tgc_mean']:.1f} | {100 * row['tgc_best']:.1f} |")
     if result.get("outcomes"):
         rows.append("\noutcomes: " + ", ".join(f"{name} {count}" for name, count in result["outcomes"].items()))
+    if result.get("invalid_action_frac"):
+        shares = result["invalid_action_frac"].items()
+        rows.append("\ninvalid actions: " + ", ".join(f"{name} {100 * share:.1f}%" for name, share in shares))
     return "\n".join(rows)
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import lightning as L
 
 from canopy.errors import require
-from canopy.eval.metrics import summarize
+from canopy.eval.metrics import invalid_action_fracs, summarize
 from canopy.eval.runner import sample_runs
 from canopy.modules.parallel import alone_on_rank0
 
@@ -33,13 +33,6 @@ def training_task_report(datamodule, samples_per_task: int, description: str) ->
         "success": {tier: row["tgc_mean"] for tier, row in summarize(dm.tasks, sampled.runs).items()},
         "invalid_action_frac": invalid_action_fracs(sampled.actions_by_tier),
     }
-
-
-def invalid_action_fracs(actions_by_tier: dict[int, list[int]]) -> dict[str, float]:
-    """{"all" | "tier<K>": invalid actions / actions answered}, where any action was answered."""
-    total = [sum(counts[i] for counts in actions_by_tier.values()) for i in (0, 1)]
-    rows = [("all", total), *((f"tier{tier}", counts) for tier, counts in sorted(actions_by_tier.items()))]
-    return {name: invalid / answered for name, (invalid, answered) in rows if answered}
 
 
 @dataclass
