@@ -113,3 +113,46 @@ def test_success_estimates_shrink_discount_and_resume():
     resumed = SuccessEstimates(decay=0.5, prior_weight=2.0)
     resumed.load_state_dict(json.loads(json.dumps(estimates.state_dict())))
     assert resumed.rate("a", 3) == estimates.rate("a", 3) and resumed.rate("c", 1) == estimates.rate("c", 1)
+
+
+def test_group_sizes_replays_where_a_runs_rollouts_went(tmp_path, capsys):
+    """`python -m canopy.tools.group_sizes`: per step and tier the rollouts, successes and mixed groups from the
+    trajectory logs, and each task's estimate before the step, replayed as group_size=auto computed it."""
+    import gzip
+
+    from canopy.tools.group_sizes import main, replay
+
+    def episode(group, task, tier, passed, quarantine=None):
+        verdict = None if quarantine else {"passed": passed, "total": 2}
+        return {"group": group, "task_id": task, "tier": tier, "verdict": verdict, "quarantine": quarantine}
+
+    steps = {
+        0: [
+            episode(0, "a", 1, 2),
+            episode(0, "a", 1, 0),
+            episode(1, "b", 3, 1),
+            episode(1, "b", 3, 0, "worker_killed"),
+        ],
+        1: [episode(0, "b", 3, 2), episode(0, "b", 3, 2), episode(0, "b", 3, 0)],
+    }
+    folder = tmp_path / "trajectories" / "train"
+    folder.mkdir(parents=True)
+    for step, records in steps.items():
+        with gzip.open(folder / f"step_{step:06d}.jsonl.gz", "wt") as out:
+            out.write("".join(json.dumps(r) + "\n" for r in records))
+    first, second = replay(tmp_path, decay=0.5)
+    assert first["tiers"] == {
+        1: {"rollouts": 2, "successes": 1, "groups": 1, "mixed": 1},
+        3: {"rollouts": 1, "successes": 0, "groups": 1, "mixed": 0},  # the quarantined episode left out
+    }
+    assert [g["estimate"] for g in first["groups"]] == [0.5, 0.5]  # nothing seen yet: the pilot's even split
+    estimates = SuccessEstimates(decay=0.5)
+    estimates.observe("a", 1, 1, 2)
+    estimates.observe("b", 3, 0, 1)
+    assert second["groups"] == [{"task": "b", "tier": 3, "estimate": estimates.rate("b", 3), "n": 3, "successes": 2}]
+    main([str(tmp_path), "--every", "1", "--tasks"])
+    printed = capsys.readouterr().out
+    assert "step    1  tier3:   3 rollouts,   2 successes, 1/1 mixed" in printed and "note:" not in printed
+    (folder / "step_000001.jsonl.gz").rename(folder / "step_000003.jsonl.gz")
+    main([str(tmp_path)])
+    assert "some training steps were not logged" in capsys.readouterr().out
