@@ -129,20 +129,20 @@ def mean_group_size(cfg: DictConfig) -> int:
 
 
 def settings(cfg: DictConfig, node: str):
-    """The settings object of config node `node`, built from its (schema-typed) config; a key the schema does not
-    know (added with `+node.key=...`, which composition lets through) is refused, not ignored."""
-    unknown = sorted(unknown_keys(cfg[node], OmegaConf.get_type(cfg[node]), node))
-    require(not unknown, f"{'; '.join(unknown)}: remove it, or fix its name (`python train.py --cfg job` lists keys)")
+    """The settings object of config node `node`, built from its (schema-typed) config."""
     return OmegaConf.to_object(cfg[node])
 
 
-def unknown_keys(node: DictConfig, schema, prefix: str):
-    known = {f.name: f.type for f in dataclasses.fields(schema)}
+def unknown_keys(node: DictConfig, prefix: str = ""):
+    """Keys under a schema-typed node that its schema does not know: `+node.key=...` adds them past composition,
+    and a settings object built from the node would ignore them, or fail on them with a TypeError."""
+    schema = OmegaConf.get_type(node)
+    known = {f.name for f in dataclasses.fields(schema)} if dataclasses.is_dataclass(schema) else None
     for key in node:
-        if key not in known:
-            yield f"{prefix}.{key} is not a key of {schema.__name__}"
-        elif dataclasses.is_dataclass(kind := OmegaConf.get_type(node, key)) and node[key] is not None:
-            yield from unknown_keys(node[key], kind, f"{prefix}.{key}")
+        if known is not None and key not in known:
+            yield f"{prefix}{key} is not a key of {schema.__name__}"
+        elif OmegaConf.is_dict(child := node._get_node(key)) and not child._is_none() and not child._is_missing():
+            yield from unknown_keys(child, f"{prefix}{key}.")
 
 
 def validate(cfg: DictConfig) -> None:
@@ -151,6 +151,8 @@ def validate(cfg: DictConfig) -> None:
     missing = sorted(OmegaConf.missing_keys(cfg))
     if missing:
         raise ConfigError(f"config key(s) {missing} must be set, e.g. `python train.py {missing[0]}=...`")
+    unknown = sorted(unknown_keys(cfg))
+    require(not unknown, f"{'; '.join(unknown)}: remove it, or fix its name (`python train.py --cfg job` lists keys)")
     require(is_int(cfg.seed), f"seed={cfg.seed!r} must be an integer")
     for node in [node for node in SECTIONS if node != "model"]:  # the model's files are read after the cheap checks
         settings(cfg, node).validate()

@@ -231,3 +231,5 @@ def test_a_key_added_to_a_schema_node_is_refused_not_ignored():
         validate(config("+algorithm.kl_coeff=0.1"))
     with pytest.raises(ConfigError, match="algorithm.adaptive_group.tau is not a key of AdaptiveGroupSettings"):
         validate(config("+algorithm.adaptive_group.tau=0.5"))
+    with pytest.raises(ConfigError, match="env.pool.wokers is not a key of PoolSettings"):  # was a TypeError
+        validate(config("+env.pool.wokers=2"))
