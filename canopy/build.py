@@ -196,7 +196,7 @@ def build_strategy(cfg: DictConfig):
     """One process: Lightning's default. Several (on one node or `trainer.num_nodes`): `ModelParallelStrategy`, its
     mesh sized from `parallelism.*` (`validate` checked that it covers devices x nodes)."""
     p = cfg.parallelism
-    world = p.dp_replicate * p.dp_shard * p.tp * p.cp
+    world = OmegaConf.to_object(p).world
     if world == 1:
         return "auto"
     require_multiprocess_torch(world)

@@ -165,7 +165,7 @@ def validate(cfg: DictConfig) -> None:
     )
     require(p.cp == 1 or t.accelerator != "cpu", CP_NEEDS_GPU)
     require(p.cp == 1 or a.loss_aggregation == "token-mean", CP_SEQ_MEAN)
-    world = p.dp_replicate * p.dp_shard * p.tp * p.cp
+    world = settings(cfg, "parallelism").world
     require(
         world == t.devices * t.num_nodes,
         f"parallelism.dp_replicate={p.dp_replicate} x dp_shard={p.dp_shard} x tp={p.tp} x cp={p.cp} = {world} must "

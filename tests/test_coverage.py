@@ -123,7 +123,7 @@ def test_group_sizes_replays_where_a_runs_rollouts_went(tmp_path, capsys):
     from canopy.tools.group_sizes import main, replay
 
     def episode(group, task, tier, passed, quarantine=None):
-        verdict = None if quarantine else {"passed": passed, "total": 2}
+        verdict = None if quarantine else {"passed": passed, "total": 2, "success": passed == 2}
         return {"group": group, "task_id": task, "tier": tier, "verdict": verdict, "quarantine": quarantine}
 
     steps = {

@@ -42,6 +42,7 @@ class ParallelSettings:
 
     @property
     def world(self) -> int:
+        """Processes: dp_replicate x dp_shard x tp x cp."""
         return self.dp_replicate * self.dp_shard * self.tp * self.cp
 
     def validate(self) -> None:
@@ -101,7 +102,7 @@ def build_parallel_policy(
             "parallel; split long sequences with parallelism.tp instead (docs/memory.md)"
         )
 
-    if settings.dp_replicate * settings.dp_shard * settings.tp * settings.cp != world_size:
+    if settings.world != world_size:
         raise ConfigError(
             f"parallelism.dp_replicate={settings.dp_replicate} x dp_shard={settings.dp_shard} x tp={settings.tp} x "
             f"cp={settings.cp} must equal the {world_size} processes (trainer.devices x trainer.num_nodes)"

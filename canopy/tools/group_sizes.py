@@ -13,7 +13,7 @@ import argparse
 from collections import defaultdict
 from pathlib import Path
 
-from canopy.coverage import SuccessEstimates
+from canopy.coverage import SuccessEstimates, group_composition
 from canopy.trajectories import read_step, step_files
 
 
@@ -28,7 +28,7 @@ def replay(run_dir: str | Path, decay: float = 0.5) -> list[dict]:
                 by_group[(record["group"], record["task_id"], record["tier"])].append(record)
         groups = []
         for (_, task, tier), records in sorted(by_group.items()):
-            successes = sum(success(r) for r in records)
+            successes = sum(bool(r["verdict"] and r["verdict"]["success"]) for r in records)  # as step_summary
             groups.append({"task": task, "tier": tier, "estimate": estimates.rate(task, tier), "n": len(records),
                            "successes": successes})  # fmt: skip
         tiers: dict[int, dict[str, int]] = {}
@@ -37,17 +37,11 @@ def replay(run_dir: str | Path, decay: float = 0.5) -> list[dict]:
             row["rollouts"] += g["n"]
             row["successes"] += g["successes"]
             row["groups"] += 1
-            row["mixed"] += 0 < g["successes"] < g["n"]
+            row["mixed"] += group_composition(g["successes"], g["n"]) == "mixed"
         for g in groups:
             estimates.observe(g["task"], g["tier"], g["successes"], g["n"])
         steps.append({"step": step, "tiers": dict(sorted(tiers.items())), "groups": groups})
     return steps
-
-
-def success(record: dict) -> bool:
-    """The episode passed every unit test (the sparse reward's success, whatever reward the run trained on)."""
-    verdict = record["verdict"]
-    return verdict is not None and verdict["total"] > 0 and verdict["passed"] == verdict["total"]
 
 
 def main(argv: list[str] | None = None) -> None:
