@@ -12,11 +12,11 @@ import torch
 from canopy.envs.base import Task
 from canopy.envs.embedded import EmbeddedEnvironment, make_tasks
 from canopy.errors import ConfigError
-from canopy.eval.metrics import best_at_k, invalid_action_fracs, mean_at_k, sgc, sgc_best_at_k, sgc_mean_at_k, summarize
+from canopy.eval.metrics import best_at_k, mean_at_k, sgc, sgc_best_at_k, sgc_mean_at_k, summarize
 from canopy.eval.pilot import format_pilot, pilot_report
 from canopy.eval.runner import checkpoint_weights, evaluation, format_scenarios, format_table3, sample_runs
 from canopy.modules.policy import load_policy
-from canopy.rollout.agent_loop import Budget
+from canopy.rollout.agent_loop import Budget, invalid_action_fracs
 from canopy.rollout.engine import LocalEngine, SamplingParams
 from canopy.tools.summary import write_summary
 from canopy.trajectories import read_step

@@ -22,7 +22,7 @@ from canopy.envs.base import Environment, SystemicFaultError, Task
 from canopy.errors import ConfigError, require
 from canopy.modules.parallel import alone_on_rank0, data_parallel_rank
 from canopy.objective import step_advantages
-from canopy.rollout.agent_loop import Budget, Trajectory, run_episodes
+from canopy.rollout.agent_loop import Budget, Trajectory, invalid_action_fracs, run_episodes
 from canopy.rollout.engine import EngineHandle, SamplingParams
 from canopy.rollout.faults import check_systemic_faults
 from canopy.rollout_batch import RolloutBatch
@@ -184,12 +184,8 @@ class StepStats:
             metrics.update({f"ending/{ending}": count / scored for ending, count in endings.items()})
             metrics.update({f"outcome/{outcome}": count for outcome, count in outcomes.items()})
             metrics.update({f"outcome/tamper_{action}": count for action, count in tampers.items()})
-        invalid, answered = (sum(counts[i] for counts in actions.values()) for i in (0, 1))
-        if answered:
-            metrics["health/invalid_action_frac"] = invalid / answered
-            metrics.update(
-                {f"health/invalid_action_frac_tier{tier}": bad / n for tier, (bad, n) in sorted(actions.items()) if n}
-            )
+        for name, share in invalid_action_fracs(actions).items():  # "all", then "tier<K>"
+            metrics["health/invalid_action_frac" + ("" if name == "all" else f"_{name}")] = share
         n_groups = max(1, len(groups))
         compositions = Counter(group.composition for group in groups)
         metrics.update({f"coverage/{kind}": compositions[kind] / n_groups for kind in COMPOSITIONS})

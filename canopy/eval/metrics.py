@@ -67,10 +67,3 @@ def by_scenario(tasks: list[Task], runs: dict[str, list[float]]) -> dict[str, di
         scenario: {"tasks": len(sub), "tgc_mean": mean_at_k(sub), "tgc_best": best_at_k(sub)}
         for scenario, sub in sorted(grouped.items())
     }
-
-
-def invalid_action_fracs(actions_by_tier: dict[int, list[int]]) -> dict[str, float]:
-    """{"all" | "tier<K>": invalid actions / actions answered}, where any action was answered."""
-    total = [sum(counts[i] for counts in actions_by_tier.values()) for i in (0, 1)]
-    rows = [("all", total), *((f"tier{tier}", counts) for tier, counts in sorted(actions_by_tier.items()))]
-    return {name: invalid / answered for name, (invalid, answered) in rows if answered}

@@ -11,9 +11,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from canopy.envs.base import Task
 from canopy.errors import ConfigError
-from canopy.eval.metrics import by_scenario, invalid_action_fracs, summarize
+from canopy.eval.metrics import by_scenario, summarize
 from canopy.modules.policy import iter_hf_weights, load_policy
-from canopy.rollout.agent_loop import run_episodes
+from canopy.rollout.agent_loop import invalid_action_fracs, run_episodes
 from canopy.rollout.faults import check_systemic_faults
 
 

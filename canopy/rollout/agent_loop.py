@@ -114,6 +114,14 @@ class Trajectory:
         return self.verdict.reward(kind) if self.verdict is not None else 0.0
 
 
+def invalid_action_fracs(actions_by_tier: dict[int, list[int]]) -> dict[str, float]:
+    """Format health from {tier: [invalid actions, actions answered]}: {"all" | "tier<K>": invalid / answered},
+    where any action was answered (the training step's log, evaluations and the end-of-run summary)."""
+    total = [sum(counts[i] for counts in actions_by_tier.values()) for i in (0, 1)]
+    rows = [("all", total), *((f"tier{tier}", counts) for tier, counts in sorted(actions_by_tier.items()))]
+    return {name: invalid / answered for name, (invalid, answered) in rows if answered}
+
+
 class _Live:
     """An episode in progress: its environment handle and growing trajectory."""
 

@@ -7,9 +7,10 @@ from pathlib import Path
 import lightning as L
 
 from canopy.errors import require
-from canopy.eval.metrics import invalid_action_fracs, summarize
+from canopy.eval.metrics import summarize
 from canopy.eval.runner import sample_runs
 from canopy.modules.parallel import alone_on_rank0
+from canopy.rollout.agent_loop import invalid_action_fracs
 
 
 def training_task_report(datamodule, samples_per_task: int, description: str) -> dict[str, dict[str, float]]:
