@@ -34,16 +34,13 @@ def test_several_processes_on_an_older_torch_are_refused_one_is_not(monkeypatch)
 
 
 def test_train_refuses_fsdp_on_an_older_torch_before_building_anything(monkeypatch, tmp_path):
-    from omegaconf import OmegaConf
-
     from canopy.build import build_strategy
+    from tests.test_config import config
 
     monkeypatch.setattr(compat, "version", lambda package: "2.11.0")
-    cfg = OmegaConf.create({"parallelism": {"dp_replicate": 1, "dp_shard": 2, "tp": 1, "cp": 1}})
     with pytest.raises(ConfigError, match="torch >= 2.13"):
-        build_strategy(cfg)
-    cfg.parallelism.dp_shard = 1
-    assert build_strategy(cfg) == "auto"
+        build_strategy(config("trainer.devices=2", "parallelism.dp_shard=2"))
+    assert build_strategy(config()) == "auto"
 
 
 def test_an_interpreter_without_torch_imports_canopy(tmp_path):
