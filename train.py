@@ -5,6 +5,7 @@ from pathlib import Path
 
 import hydra
 import lightning as L
+import torch
 from omegaconf import DictConfig, OmegaConf
 
 from canopy.build import (
@@ -25,6 +26,7 @@ from canopy.mismatch import OffPolicyError
 from canopy.models.hf_checkpoint import write_hf_checkpoint
 from canopy.modules.canopy_module import silence_benign_warnings
 from canopy.modules.checkpoint import AtomicCheckpoint
+from canopy.modules.parallel import end_rank
 from canopy.tools.plots import training_plots
 from canopy.tools.summary import BaseSuccess, training_task_report, write_summary
 
@@ -119,3 +121,5 @@ if __name__ == "__main__":
     except ConfigError as error:
         sys.exit(f"config error: {error}")
     main()
+    if torch.distributed.is_initialized():  # one of several processes, its part done
+        end_rank()  # without finalization, which a gloo worker thread can abort (its docstring says why)

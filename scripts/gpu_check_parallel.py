@@ -177,20 +177,6 @@ def run_worker(args) -> None:
         )
 
 
-def end_rank() -> None:
-    """End a rank whose results are written without the interpreter's finalization, as tests/parallel_worker.py's
-    `run_rank` does: a gloo worker thread still freeing a collective's tensors is otherwise ended by finalization
-    with pthread_exit, and its unwinding through a noexcept destructor aborts the finished rank ('terminate called
-    without an active exception', SIGABRT: seen once in this dry run in CI; tests/gloo_teardown_worker.py)."""
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
-
 def run_part(args, dp: int, tp: int, cp: int, out: Path, timeout: int, replicate: int = 1) -> dict | None:
     """Launch one part under torchrun; its rank 0's results, or None (with the reason printed) if it failed."""
     command = [
@@ -264,8 +250,10 @@ def main() -> None:
         parser.add_argument(f"--{degree}", type=int, default=1, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
+        from canopy.modules.parallel import end_rank
+
         run_worker(args)
-        end_rank()
+        end_rank()  # no finalization: a gloo worker thread could abort the finished rank there
 
     shape, failures = (CPU_MODEL if args.cpu_dry_run else GPU_MODEL), []
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as scratch:

@@ -14,7 +14,13 @@ from torch.distributed.tensor import DTensor
 
 from canopy.models.logprob_head import ChunkedLogprobs, token_logprobs
 from canopy.modules.logprobs import model_token_logprobs
-from canopy.modules.parallel import ParallelSettings, build_parallel_policy, data_parallel_rank, gather_on_rank0
+from canopy.modules.parallel import (
+    ParallelSettings,
+    build_parallel_policy,
+    data_parallel_rank,
+    end_rank,
+    gather_on_rank0,
+)
 from canopy.modules.policy import export_hf_state_dict, iter_hf_weights, load_policy, unwrap
 from canopy.objective import canopy_loss
 
@@ -43,22 +49,10 @@ def spawn_from_argv(main) -> None:
 
 
 def run_rank(rank: int, main, *args) -> None:
-    """`main(rank, *args)`, then end the process without the interpreter's finalization (`os._exit`).
-
-    When `main` has written its results and destroyed the process group, gloo worker threads are still running:
-    `destroy_process_group` drops only c10d's own references, and the device meshes' groups stay referenced (by
-    the DTensor specs torch caches) until the interpreter exits. Such a thread releases a collective's tensors
-    after the main thread's wait has returned; if Python has let go of them already, the thread frees their
-    PyObjects and waits for the GIL to do so. If the main thread reaches finalization first, CPython ends the
-    waiting thread with pthread_exit as soon as it gets the GIL, and the unwinding through that noexcept destructor
-    calls std::terminate: 'terminate called without an active exception', SIGABRT, in a rank that had finished
-    (test_sharded_policy_matches_single_process[fsdp2], once in CI; provoked by tests/gloo_teardown_worker.py).
-    With `os._exit` there is no finalization: the results are on disk and the process group is destroyed. An
-    exception in `main` still reaches torch's spawn, which reports it."""
+    """`main(rank, *args)`, then end the process without the interpreter's finalization (`end_rank`, whose
+    docstring says why). An exception in `main` still reaches torch's spawn, which reports it."""
     main(rank, *args)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    end_rank()
 
 
 def batch(vocab: int):

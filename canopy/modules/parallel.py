@@ -12,6 +12,10 @@ memory-maps the safetensors, converts HF tensors to their TorchTitan names and k
 no rank ever materializes the whole model.
 """
 
+import logging
+import multiprocessing
+import os
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -271,3 +275,25 @@ def alone_on_rank0(trainer, key: str, what: str, work):
     finally:
         if store is not None:
             store.set(key, "1")
+
+
+def end_rank() -> None:
+    """End a finished rank without the interpreter's finalization (`os._exit(0)`), its process group destroyed,
+    its logs flushed and its child processes ended first.
+
+    Why: `destroy_process_group` drops only c10d's own references; the device meshes' groups stay referenced (by the
+    DTensor specs torch caches) until the interpreter exits, and their gloo worker threads may still be releasing a
+    finished collective's tensors. Such a thread waits for the GIL to free their PyObjects; when finalization gives
+    it the GIL, CPython ends the thread with pthread_exit, whose unwinding through a noexcept destructor calls
+    std::terminate: 'terminate called without an active exception', SIGABRT, in a rank whose work was done (seen in
+    the multi-process tests and once in scripts/gpu_check_parallel.py; provoked by tests/gloo_teardown_worker.py).
+    Without finalization there is no such hand-over. Callers write their results first."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    for child in multiprocessing.active_children():  # what multiprocessing's exit hook would have ended
+        child.terminate()
+        child.join(timeout=10)
+    logging.shutdown()  # flushes and closes the run's log files (train.log)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
