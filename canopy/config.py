@@ -198,12 +198,7 @@ def validate(cfg: DictConfig) -> None:
     check_serving(cfg.env)
     require(cfg.engine.name in ENGINES, f"engine.name={cfg.engine.name!r} is unknown: use one of {', '.join(ENGINES)}")
     settings(cfg, "model").validate()
-    family = MODEL_FAMILIES[cfg.model.family]
-    require(
-        p.cp == 1 or family.context_parallel,
-        f"parallelism.cp={p.cp} with model.family={family.name}: its TorchTitan model has no context parallel; split "
-        "long sequences with parallelism.tp instead (docs/memory.md)",
-    )
+    MODEL_FAMILIES[cfg.model.family].require_context_parallel(p.cp)
     if cfg.engine.name == "sglang":
         SGLangSettings(**cfg.engine.sglang).validate(cfg.trainer.accelerator, cfg.trainer.devices)
     if cfg.engine.name == "local":

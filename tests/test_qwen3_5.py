@@ -128,5 +128,5 @@ def test_context_parallel_qwen3_5_is_refused_at_start_even_on_gpus(qwen3_5_path)
     from canopy.errors import ConfigError
     from canopy.modules.parallel import ParallelSettings, build_parallel_policy
 
-    with pytest.raises(ConfigError, match="parallelism.cp=2 with model family qwen3_5: .* with parallelism.tp"):
+    with pytest.raises(ConfigError, match="parallelism.cp=2 with model.family=qwen3_5: .* with parallelism.tp"):
         build_parallel_policy(qwen3_5_path, ParallelSettings(cp=2), 2, torch.device("cuda"))

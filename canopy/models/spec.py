@@ -56,6 +56,14 @@ class ModelSpec:
     context_parallel: bool = True  # whether its TorchTitan model shards sequences (parallelism.cp > 1)
     gated_delta_rule: str | None = None  # where the model calls its Gated DeltaNet kernel (the memory plan's stand-in)
 
+    def require_context_parallel(self, cp: int) -> None:
+        """Refuse `parallelism.cp` > 1 for a family whose TorchTitan model does not shard sequences."""
+        if cp > 1 and not self.context_parallel:
+            raise ConfigError(
+                f"parallelism.cp={cp} with model.family={self.name}: its TorchTitan model has no context parallel; "
+                "split long sequences with parallelism.tp instead (docs/memory.md)"
+            )
+
 
 def safetensors_files(path: str | Path) -> list[Path]:
     files = sorted(Path(path).glob("*.safetensors"))

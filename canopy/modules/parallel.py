@@ -100,11 +100,7 @@ def build_parallel_policy(
     spec = family_of(hf)
     if spec.cpu_tp_cp_refusal and (settings.tp > 1 or settings.cp > 1) and device.type == "cpu":
         raise ConfigError(spec.cpu_tp_cp_refusal)
-    if settings.cp > 1 and not spec.context_parallel:
-        raise ConfigError(
-            f"parallelism.cp={settings.cp} with model family {spec.name}: its TorchTitan model has no context "
-            "parallel; split long sequences with parallelism.tp instead (docs/memory.md)"
-        )
+    spec.require_context_parallel(settings.cp)
 
     if settings.world != world_size:
         raise ConfigError(
