@@ -2,6 +2,7 @@
 (gradients relative to each tensor's largest entry); TP ranks compute the loss from vocabulary shards."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -60,6 +61,36 @@ def test_a_rank_exits_cleanly_past_a_late_gloo_worker(tmp_path):
     assert run.returncode == 0, run.stdout[-1000:] + run.stderr[-3000:]
     assert "terminate called" not in run.stderr
     assert sorted(p.name for p in tmp_path.glob("rank*.json")) == ["rank0.json", "rank1.json"]
+
+
+END_RANK_SCRIPT = """
+import logging, multiprocessing, sys, time
+import torch.distributed as dist
+from canopy.modules.parallel import end_rank
+
+dist.init_process_group("gloo", init_method="file://{store}", rank=0, world_size=1)
+child = multiprocessing.Process(target=time.sleep, args=(600,))
+child.start()
+print(child.pid)  # buffered: stdout is a pipe
+logging.basicConfig(filename="{log}", level=logging.INFO)
+logging.info("last words")
+end_rank()
+print("after end_rank")
+"""
+
+
+def test_end_rank_leaves_no_child_no_process_group_and_loses_no_output(tmp_path):
+    """`end_rank` skips finalization (os._exit), so it does itself what finalization would have: the buffered output
+    and the log reach their files, the process group is gone and no child process is left behind (an orphan)."""
+    script = END_RANK_SCRIPT.format(store=tmp_path / "store", log=tmp_path / "run.log")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # stdout block-buffered, as in a pipe
+    run = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = run.stdout.split()
+    assert len(lines) == 1 and "after end_rank" not in run.stdout  # the process ended in end_rank
+    child = int(lines[0])
+    assert not Path(f"/proc/{child}").exists() or "Z" in Path(f"/proc/{child}/stat").read_text().split()[2]
+    assert "last words" in (tmp_path / "run.log").read_text()
 
 
 @pytest.mark.slow
