@@ -91,6 +91,7 @@ def test_end_rank_leaves_no_child_no_process_group_and_loses_no_output(tmp_path)
     child = int(lines[0])
     assert not Path(f"/proc/{child}").exists() or "Z" in Path(f"/proc/{child}/stat").read_text().split()[2]
     assert "last words" in (tmp_path / "run.log").read_text()
+    assert not (tmp_path / "store").exists()  # the file store goes with the destroyed process group
 
 
 @pytest.mark.slow
