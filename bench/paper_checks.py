@@ -147,7 +147,7 @@ DIAGNOSTICS = ("entropy", "clipfrac", "grad_norm", "quarantined")  # Table A2's 
 
 def summarize(results: dict[str, dict[int, dict]]) -> list[dict]:
     """Per check: each column's mean and bootstrap interval over seeds, and the dev TGC difference to the recipe
-    paired by seed."""
+    paired by seed (their mean with its interval, and each seed's own, None where the recipe lacks that seed)."""
     reference = {seed: r["dev_tgc"] for seed, r in results.get("recipe", {}).items()}
     rows = []
     for check, by_seed in results.items():
@@ -160,6 +160,9 @@ def summarize(results: dict[str, dict[int, dict]]) -> list[dict]:
             row[key] = bootstrap_mean([r[key] for r in by_seed.values()])
         if check != "recipe" and set(reference) & set(by_seed):
             row["delta_dev"] = paired_difference({s: r["dev_tgc"] for s, r in by_seed.items()}, reference)
+            row["delta_dev_per_seed"] = [
+                by_seed[seed]["dev_tgc"] - reference[seed] if seed in reference else None for seed in row["seeds"]
+            ]
         rows.append(row)
     return rows
 
@@ -169,15 +172,16 @@ def format_tables(rows: list[dict], what: dict[str, str], eval_k: int, takeoff_l
     mean over seeds with its 95% bootstrap interval."""
     scores = [
         f"| Check | what | seeds | train success | dev TGC m@{eval_k} | hardest-tier dev TGC | dev TGC vs recipe | "
-        f"step reaching {takeoff_level:.0%} train success, per seed |",
-        "|---|---|---|---|---|---|---|---|",
+        f"vs recipe, per seed | step reaching {takeoff_level:.0%} train success, per seed |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     diagnostics = ["| Check | entropy | clip frac | grad norm | quarantined % |", "|---|---|---|---|---|"]
     for r in rows:
         delta = describe(r["delta_dev"], signed=True) if "delta_dev" in r else "-"
+        per_seed = ", ".join("-" if d is None else f"{100 * d:+.1f}" for d in r.get("delta_dev_per_seed", []))
         reached = ", ".join("-" if step is None else str(step) for step in r["takeoff"])
         cells = [r["check"], what.get(r["check"], ""), str(len(r["seeds"])), *(describe(r[k]) for k in SCORES)]
-        cells += [delta, reached]
+        cells += [delta, per_seed or "-", reached]
         scores.append(f"| {' | '.join(cells)} |")
         cells = [
             r["check"],

@@ -90,3 +90,23 @@ def test_an_unknown_check_is_named_with_the_choices(tmp_path):
     process = paper_checks(tmp_path, tmp_path / "tiny", "--checks", "no_such_check")  # stops before any model
     output, _ = process.communicate(timeout=300)
     assert process.returncode != 0 and "unknown checks ['no_such_check']: use some of recipe, seq_mean" in output
+
+
+def test_each_seeds_difference_to_the_recipe_is_reported_beside_their_mean():
+    from bench.paper_checks import DIAGNOSTICS, SCORES, format_tables, summarize
+
+    def run(dev_tgc: float, takeoff: int | None) -> dict:
+        return {**{key: 0.5 for key in (*SCORES, *DIAGNOSTICS)}, "dev_tgc": dev_tgc, "takeoff": takeoff}
+
+    results = {
+        "recipe": {0: run(0.50, 100), 1: run(0.70, None)},
+        "variant": {0: run(0.60, 90), 1: run(0.65, 120), 2: run(0.90, 80)},  # seed 2: no recipe run to pair with
+    }
+    recipe, variant = summarize(results)
+    assert "delta_dev_per_seed" not in recipe
+    assert variant["delta_dev_per_seed"][0] == pytest.approx(0.10) and variant["delta_dev_per_seed"][2] is None
+    assert variant["delta_dev_per_seed"][1] == pytest.approx(-0.05)
+    assert variant["delta_dev"].mean == pytest.approx(0.025)  # over the paired seeds 0 and 1 only
+    line = next(x for x in format_tables([recipe, variant], {}, 4, 0.8).splitlines() if x.startswith("| variant |"))
+    cells = [cell.strip() for cell in line.strip("|").split("|")]
+    assert cells[7:] == ["+10.0, -5.0, -", "90, 120, 80"]  # per seed: vs recipe, then the step reaching 80%
