@@ -2,15 +2,18 @@
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import pytest
 
 from canopy.envs import sandbox
-from canopy.envs.base import AgentFailure, EnvironmentFault, Verdict
+from canopy.envs.base import AgentFailure, EnvironmentFault, SystemicFaultError, Verdict
 from canopy.envs.embedded import EmbeddedEnvironment
 from canopy.envs.pool import EnvironmentPool, PoolSettings
 from canopy.rollout.agent_loop import Budget, run_episodes
@@ -26,6 +29,16 @@ def pool():
     pool = EnvironmentPool("canopy.envs.python_tasks:PythonTaskEnvironment", {"sandbox": SANDBOX}, SETTINGS)
     yield pool
     pool.close()
+
+
+@pytest.fixture
+def scratch():
+    """A scratch folder for a pool that the sandbox user can reach (pytest's folders are closed to it), under a name
+    no other pool's sweep takes for an abandoned pool's."""
+    folder = Path(tempfile.mkdtemp(prefix="canopy-test-"))
+    folder.chmod(0o711)
+    yield folder / "pool"
+    shutil.rmtree(folder)
 
 
 def code(text):
@@ -120,7 +133,7 @@ canopy.envs.sandbox.FIRST_UID = {first_uid}
 from canopy.envs.pool import EnvironmentPool, PoolSettings
 pool = EnvironmentPool("canopy.envs.python_tasks:PythonTaskEnvironment",
     {{"sandbox": {{"cpu_seconds": 5, "wall_seconds": 6.0, "memory_mb": 256, "max_processes": 8}}}},
-    PoolSettings(workers=1, memory_mb=1024, request_timeout_s=20.0))
+    PoolSettings(workers=1, memory_mb=1024, request_timeout_s=20.0), scratch_root={scratch!r})
 episode = pool.start(pool.tasks("train")[0], seed=0)
 print(json.dumps([episode.worker.pid, episode.worker.uid]), flush=True)
 threading.Thread(target=episode.step, args=("```python\\nimport time; time.sleep(3)\\n```",)).start()
@@ -130,14 +143,17 @@ os.kill(os.getpid(), 9)
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="sandbox uids are claimed only when running as root")
-def test_a_worker_orphaned_mid_sandbox_keeps_its_uid_until_it_exits(monkeypatch):
+def test_a_worker_orphaned_mid_sandbox_keeps_its_uid_until_it_exits(monkeypatch, scratch):
     """A pool killed with -9 leaves its worker running its sandbox, which ends by killing every process of the
     sandbox uid. Until that worker exits its uid must stay claimed, or the next claimant's processes die with it
-    (a Ray node's sandbox Python probe once did, in CI)."""
+    (a Ray node's sandbox Python probe once did, in CI). Finding nobody to reply to, the worker closes its
+    episode (its folder goes) and exits without an error."""
     first_uid = 70000 + os.getpid() % 10000 * 10  # a range of our own: the claim order below is then certain
     monkeypatch.setattr(sandbox, "FIRST_UID", first_uid)
     owner = subprocess.run(
-        [sys.executable, "-c", OWNER_KILLED_MID_SANDBOX.format(first_uid=first_uid)], capture_output=True, text=True
+        [sys.executable, "-c", OWNER_KILLED_MID_SANDBOX.format(first_uid=first_uid, scratch=str(scratch))],
+        capture_output=True,
+        text=True,
     )
     assert owner.returncode == -signal.SIGKILL, owner.stderr
     orphan, orphan_uid = json.loads(owner.stdout)
@@ -154,6 +170,81 @@ def test_a_worker_orphaned_mid_sandbox_keeps_its_uid_until_it_exits(monkeypatch)
         assert bystander.wait() == 0
     finally:
         os.close(lock)
+    assert list((scratch / "w0" / "python_tasks").iterdir()) == []  # the episode was closed
+    assert "Traceback" not in (scratch / "logs" / "worker0.log").read_text()
+
+
+POOL_OWNER = """
+import os, sys
+from canopy.envs.pool import EnvironmentPool, PoolSettings
+pool = EnvironmentPool("canopy.envs.embedded:EmbeddedEnvironment", {{}}, PoolSettings(workers=1, request_timeout_s=30))
+pool.tasks("train")
+(pool.scratch_root / "w0" / "container-runtime").write_text({runtime!r})  # as a docker sandbox marks its slot
+print(pool.scratch_root, pool.worker_pids()[0], flush=True)
+{ending}
+"""
+
+
+def test_a_pool_killed_before_close_is_cleaned_up_by_the_next_pool_to_start(tmp_path, monkeypatch):
+    """kill -9 leaves a pool's scratch folder and its sandboxes' containers behind (a preempted job, the OOM
+    killer); the next pool to start on the machine removes both, and leaves alone the folders of a live pool, of a
+    pool still starting and of no pool. Its orphaned worker exits."""
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
+    calls, runtime = tmp_path / "runtime.log", tmp_path / "docker"
+    runtime.write_text(f'#!/bin/sh\necho "$@" >> {calls}\n[ "$1" = ps ] && echo c0ffee\nexit 0\n')
+    runtime.chmod(0o755)
+
+    def owner(ending: str) -> tuple[subprocess.Popen, Path, int]:
+        script = POOL_OWNER.format(runtime=str(runtime), ending=ending)
+        process = subprocess.Popen(
+            [sys.executable, "-c", script], env={**os.environ, "TMPDIR": str(temp)}, stdin=-1, stdout=-1, text=True
+        )
+        root, worker = process.stdout.readline().split()
+        return process, Path(root), int(worker)
+
+    live, live_root, _ = owner("sys.stdin.read()\npool.close()")
+    killed, dead_root, orphan = owner("os.kill(os.getpid(), 9)")
+    assert killed.wait() == -signal.SIGKILL and dead_root.is_dir()
+    starting = temp / "canopy-envs-1-0"  # its owner has created the lock file, not yet taken it
+    starting.mkdir()
+    (starting / ".owner").touch()
+    not_a_pool = temp / "canopy-envs-notes"
+    not_a_pool.mkdir()
+
+    pool = EnvironmentPool("canopy.envs.embedded:EmbeddedEnvironment", {}, PoolSettings(workers=1))
+    try:
+        pool.tasks("train")
+    finally:
+        pool.close()
+    assert not dead_root.exists()
+    assert calls.read_text().splitlines() == [f"ps -aq --filter label=canopy.slot={dead_root.name}-w0", "rm -f c0ffee"]
+    assert live_root.is_dir() and starting.is_dir() and not_a_pool.is_dir()
+    deadline = time.monotonic() + 10
+    while os.path.exists(f"/proc/{orphan}") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not os.path.exists(f"/proc/{orphan}")
+    live.communicate("")
+    assert live.returncode == 0 and not live_root.exists()
+    assert sorted(p.name for p in temp.iterdir()) == ["canopy-envs-1-0", "canopy-envs-notes"]
+
+
+def test_a_scratch_folder_serves_one_live_pool(tmp_path):
+    """Two pools given one scratch folder would clear each other's sandboxes: the second stops in one line, and
+    closing it leaves the first one's folder alone."""
+    first, second = (
+        EnvironmentPool("canopy.envs.embedded:EmbeddedEnvironment", {}, PoolSettings(workers=1), scratch_root=tmp_path)
+        for _ in range(2)
+    )
+    try:
+        first.tasks("train")
+        with pytest.raises(SystemicFaultError, match=rf"belongs to a live pool \(pid {os.getpid()}\): give each pool"):
+            second.tasks("train")
+        second.close()
+        assert (tmp_path / "w0").is_dir() and first.tasks("train")
+    finally:
+        first.close()
 
 
 def test_broken_environment_factory_fails_loudly():

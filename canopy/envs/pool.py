@@ -13,6 +13,10 @@ the log of a worker that faulted is kept in `log_dir` (default `<tmp>/canopy-fau
 `env_logs/` in training) and named in the fault. Sandboxes a worker starts through `canopy.envs.isolation` carry
 its slot's tag: stopping the worker (also after kill -9) removes their cgroups and containers.
 
+The pool holds its scratch folder's owner lock while it runs. A pool killed before `close()` (kill -9, the OOM
+killer, a preempted job) leaves the lock free; its workers close their episodes and exit, and the next pool to
+start on the machine removes the folder and what its slots' sandboxes left (`sweep_abandoned_scratch`).
+
 Fault attribution: the agent's own endings come back from the worker as `AgentFailure` (scored 0). What the
 layer attributes to itself raises `EnvironmentFault` and quarantines the episode:
   worker_killed            the worker died of SIGKILL (kill -9, the kernel's OOM killer)
@@ -25,6 +29,7 @@ layer attributes to itself raises `EnvironmentFault` and quarantines the episode
   worker_start_failed      a replacement worker could not be started for the episode
 """
 
+import fcntl
 import itertools
 import json
 import os
@@ -36,6 +41,8 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -49,7 +56,7 @@ from canopy.envs.base import (
     keep_fault_log,
     last_line,
 )
-from canopy.envs.isolation import SLOT_TAG, release_slot
+from canopy.envs.isolation import SLOT_TAG, SandboxError, release_slot
 from canopy.envs.sandbox import SandboxLimits, claim_uid, kill_uid, private_home
 from canopy.envs.worker import read_frame, write_frame
 from canopy.errors import is_int, require
@@ -206,6 +213,60 @@ class Worker:
         release_slot(self.tag, self.scratch)
 
 
+SCRATCH_PREFIX = "canopy-envs-"  # a pool's default scratch folder, in the temporary folder: canopy-envs-<pid>-<id>
+OWNER_LOCK = ".owner"  # in a scratch folder: flock-ed by the pool that owns it, holding the owner's pid
+
+
+def claim_scratch(root: Path) -> int:
+    """Create the pool's scratch folder and take its owner lock (the fd returned). The kernel drops an flock when
+    its process dies, kill -9 included, so a free lock marks an abandoned folder. The pid is written only while the
+    lock is held: an empty lock file is a pool still starting, never swept."""
+    root.mkdir(parents=True, exist_ok=True)
+    root.chmod(0o711)  # sandbox users must reach their own scratch directories below it
+    fd = os.open(root / OWNER_LOCK, os.O_CREAT | os.O_RDWR, 0o600)
+    deadline = time.monotonic() + 1.0  # a sweeper holds a free lock only while it reads the file
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                os.close(fd)
+                owner = (root / OWNER_LOCK).read_text().strip() or "?"
+                raise SystemicFaultError(
+                    f"scratch folder {root} belongs to a live pool (pid {owner}): give each pool its own"
+                ) from None
+            time.sleep(0.05)
+    os.ftruncate(fd, 0)
+    os.write(fd, str(os.getpid()).encode())
+    return fd
+
+
+def sweep_abandoned_scratch(parent: Path) -> None:
+    """Remove the scratch folders in `parent` whose pool died without `close()`, with what their slots'
+    sandboxes left (`release_slot`: cgroups, containers). A folder whose owner lives, that is still starting, or
+    that has no owner lock (not a pool's, or another user's) is left alone; one whose containers cannot be removed
+    now is kept, with a warning, for a later sweep."""
+    for root in parent.glob(f"{SCRATCH_PREFIX}*"):
+        try:
+            fd = os.open(root / OWNER_LOCK, os.O_RDWR)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if not os.read(fd, 64):
+                continue
+            for slot in root.glob("w*"):
+                release_slot(f"{root.name}-{slot.name}", slot)
+            shutil.rmtree(root, ignore_errors=True)
+        except BlockingIOError:
+            pass
+        except SandboxError as error:
+            warnings.warn(f"left the abandoned scratch folder {root} for a later run: {error}", stacklevel=2)
+        finally:
+            os.close(fd)
+
+
 class EnvironmentPool:
     """An `Environment` served by `settings.workers` isolated worker processes (see the module docstring)."""
 
@@ -222,7 +283,7 @@ class EnvironmentPool:
         self.name = f"pool:{factory}"
         self.max_concurrent_episodes = settings.workers
         self.scratch_root = Path(
-            scratch_root or Path(tempfile.gettempdir()) / f"canopy-envs-{os.getpid()}-{id(self):x}"
+            scratch_root or Path(tempfile.gettempdir()) / f"{SCRATCH_PREFIX}{os.getpid()}-{id(self):x}"
         )
         self.log_dir = Path(log_dir or Path(tempfile.gettempdir()) / "canopy-fault-logs").absolute()
         self.repairs = 0  # workers replaced after a failed health check
@@ -233,6 +294,7 @@ class EnvironmentPool:
         self._started = False
         self._workers: dict[int, Worker] = {}  # slot -> its live worker; a vacant slot has none
         self._uids: dict[int, tuple[int, int]] = {}  # slot -> (sandbox uid, its lock fd), held while workers run
+        self._owner_lock: int | None = None  # the scratch folder's (`claim_scratch`), held while workers run
 
     def _start_workers(self) -> None:
         """Start every worker, once: on first use, and on first use after `close()`. A worker that cannot start
@@ -240,8 +302,9 @@ class EnvironmentPool:
         with self._starting:
             if self._started:
                 return
-            self.scratch_root.mkdir(parents=True, exist_ok=True)
-            self.scratch_root.chmod(0o711)  # sandbox users must reach their own scratch directories below it
+            if self._owner_lock is None:
+                sweep_abandoned_scratch(self.scratch_root.parent)
+                self._owner_lock = claim_scratch(self.scratch_root)
             for slot in range(self.settings.workers):
                 if os.geteuid() == 0:
                     self._uids[slot] = claim_uid()
@@ -329,7 +392,10 @@ class EnvironmentPool:
         self._uids.clear()
         self._idle = queue.Queue()
         self._started = False
-        shutil.rmtree(self.scratch_root, ignore_errors=True)
+        if self._owner_lock is not None:  # a folder this pool claimed, never another's
+            shutil.rmtree(self.scratch_root, ignore_errors=True)
+            os.close(self._owner_lock)
+            self._owner_lock = None
 
 
 class PooledEpisode:

@@ -4,7 +4,9 @@ It hosts one episode at a time of the environment `FACTORY` ("module:Class", bui
 an address-space cap, and answers framed requests from `canopy.envs.pool` on a private pipe (fd 1 is moved to
 stderr so nothing the environment prints can corrupt the channel). Replies say whose fault a failure was:
 ("ok", value), ("agent_failure", reason, detail) or ("fault", reason, detail). Every request names its
-episode; a request for another episode than the one hosted is cross-episode corruption.
+episode; a request for another episode than the one hosted is cross-episode corruption. When the pool's
+process is gone (its pipe ends, or a reply finds nobody reading: kill -9, the OOM killer), the worker closes the
+episode it hosts, so its sandbox and container go with it, and exits.
 """
 
 import importlib
@@ -72,29 +74,46 @@ class Host:
         if op == "verdict":
             return self.episode.verdict()
         if op == "close":
+            return self.close()
+        raise ValueError(f"unknown request {op!r}")
+
+    def close(self):
+        """End the hosted episode, if any: asked by the pool, or because the pool is gone."""
+        if self.episode is not None:
             episode, self.episode, self.episode_id = self.episode, None, None
             return episode.close()
-        raise ValueError(f"unknown request {op!r}")
+
+
+def answer(host: Host, op: str, episode_id: str | None, args: tuple) -> tuple:
+    """The reply to one request, saying whose fault a failure was (see the module docstring)."""
+    try:
+        return ("ok", host.handle(op, episode_id, args))
+    except AgentFailure as failure:
+        return ("agent_failure", failure.reason, failure.detail)
+    except EnvironmentFault as fault:
+        return ("fault", fault.reason, fault.detail)
+    except MemoryError:
+        raise
+    except Exception as error:  # a bug in the environment, not the agent's doing
+        return ("fault", "environment_error", "".join(traceback.format_exception_only(error)).strip())
 
 
 def serve(requests: int, replies: int, host: Host) -> None:
+    """Answer requests until the owner is gone: its end of the pipe closed, or a reply nobody reads."""
     while True:
         try:
             op, episode_id, args = read_frame(requests)
         except EOFError:
             return
         try:
-            write_frame(replies, ("ok", host.handle(op, episode_id, args)))
-        except AgentFailure as failure:
-            write_frame(replies, ("agent_failure", failure.reason, failure.detail))
-        except EnvironmentFault as fault:
-            write_frame(replies, ("fault", fault.reason, fault.detail))
+            reply = answer(host, op, episode_id, args)
         except MemoryError:
             write_frame(replies, ("fault", "worker_oom", "the environment exceeded the worker's memory cap"))
             os._exit(1)  # its state may be half-updated: never serve another request
-        except Exception as error:  # a bug in the environment, not the agent's doing
-            detail = "".join(traceback.format_exception_only(error)).strip()
-            write_frame(replies, ("fault", "environment_error", detail))
+        try:
+            write_frame(replies, reply)
+        except BrokenPipeError:
+            return
 
 
 def main() -> None:
@@ -104,7 +123,10 @@ def main() -> None:
     resource.setrlimit(resource.RLIMIT_AS, (memory_mb << 20,) * 2)
     host = Host(build_environment(factory, kwargs))
     write_frame(replies, ("ok", os.getpid()))  # ready
-    serve(0, replies, host)
+    try:
+        serve(0, replies, host)
+    finally:
+        host.close()
 
 
 if __name__ == "__main__":
