@@ -456,8 +456,12 @@ def test_filter_applies_appendix_h_in_order(generated, tiny_path, tmp_path):
         "--tokenizer", str(tiny_path), "--image-root", str(generated["out"] / "images"), "--check-gold",
         "--max-prompt-tokens", "2048", "--report", str(tmp_path / "report.json"),
     ]  # fmt: skip
-    run = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    env = {**os.environ, "TMPDIR": str(temp)}
+    run = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
+    assert list(temp.iterdir()) == []  # the check's sandboxes leave nothing behind
     stages = [json.loads(line) for line in run.stdout.splitlines()]
     assert [s["instances"] for s in stages] == [7, 5, 4, 3]
     assert stages[-1]["mean_prompt_tokens"] > 0 and stages[2]["repos"] == 4

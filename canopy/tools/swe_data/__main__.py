@@ -80,10 +80,11 @@ def main(argv: list[str] | None = None) -> None:
         instances = read_jsonl(args.instances)
         if args.materialize:  # stage (i) starts by pulling / unpacking; what fails is dropped by the check below
             cache_images(instances, Path(args.image_root or "."), args.materialize, log)
-        kept, reports, dropped = filter_instances(
-            instances, build_runtime(settings, tempfile.mkdtemp(prefix="canopy-filter-")), verified,
-            args.tokenizer, args.max_prompt_tokens, args.check_gold, {"enable_thinking": args.enable_thinking}, log,
-        )  # fmt: skip
+        with tempfile.TemporaryDirectory(prefix="canopy-filter-") as scratch:  # the check's sandboxes
+            kept, reports, dropped = filter_instances(
+                instances, build_runtime(settings, scratch), verified, args.tokenizer, args.max_prompt_tokens,
+                args.check_gold, {"enable_thinking": args.enable_thinking}, log,
+            )  # fmt: skip
         write_jsonl(args.out, kept)
         for report in reports:
             print(json.dumps(report))
