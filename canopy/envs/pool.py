@@ -111,6 +111,12 @@ class PoolSettings:
         )
 
 
+def slot_tag(scratch: Path) -> str:
+    """The name of a worker slot's sandboxes' cgroups and containers, from the slot's scratch folder
+    (`<pool scratch>/w<slot>`): `<pool scratch folder's name>-w<slot>`, unique on the machine."""
+    return f"{scratch.parent.name}-{scratch.name}"
+
+
 class Worker:
     """One worker process and its private channel."""
 
@@ -130,7 +136,7 @@ class Worker:
         self.slot, self.settings, self.episodes_served, self.log_dir = slot, settings, 0, log_dir
         self.uid = claim[0] if claim else None
         self.scratch = scratch = scratch_root / f"w{slot}"
-        self.tag = f"{scratch_root.name}-w{slot}"  # names the cgroups and containers of this slot's sandboxes
+        self.tag = slot_tag(scratch)
         self.log = scratch_root / "logs" / f"worker{slot}.log"
         self.log.parent.mkdir(parents=True, exist_ok=True)
         env = {
@@ -257,7 +263,7 @@ def sweep_abandoned_scratch(parent: Path) -> None:
             if not os.read(fd, 64):
                 continue
             for slot in root.glob("w*"):
-                release_slot(f"{root.name}-{slot.name}", slot)
+                release_slot(slot_tag(slot), slot)
             shutil.rmtree(root, ignore_errors=True)
         except BlockingIOError:
             pass
