@@ -206,13 +206,15 @@ def test_code_that_outlives_the_cell_timeout_is_an_agent_failure(pool):
 
 
 def test_server_killed_mid_episode_is_quarantined(pool):
+    """kill -9 from outside between two steps: the server's own code cannot send SIGKILL (seccomp), so the death
+    is the serving layer's, and the fault says why."""
     tasks = pool.tasks("train")
     episode = pool.start(tasks[0], seed=0)
     assert not episode.step(code("x = 1")).done
     os.kill(server_pid(episode.worker.pid), signal.SIGKILL)
     with pytest.raises(EnvironmentFault) as fault:
         episode.step(code("print(x)"))
-    assert fault.value.reason == "appworld_server_died"
+    assert fault.value.reason == "appworld_server_killed" and "cannot send (seccomp)" in fault.value.detail
     episode.close()
     episode = pool.start(tasks[0], seed=0)  # the pool goes on with fresh servers
     assert episode.step(code("apis.supervisor.complete_task(answer=42)")).done

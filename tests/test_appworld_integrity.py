@@ -8,7 +8,7 @@ import subprocess
 import pytest
 
 from canopy.envs.appworld import AppWorldEnvironment
-from canopy.envs.base import Verdict
+from canopy.envs.base import AgentFailure, Verdict
 from canopy.envs.pool import EnvironmentPool
 from tests.test_appworld import PYTHON, REPO, SETTINGS, code
 
@@ -181,3 +181,67 @@ def test_an_episode_cannot_read_a_concurrent_episodes_end_state(clean_root, tmp_
         thief.close()
     finally:
         pool.close()
+
+
+WORKER_FDS = """import os
+reached = []
+for fd in range(64):
+    try:
+        os.close(os.open(f'/proc/{os.getppid()}/fd/{fd}', os.O_WRONLY))
+        reached.append(fd)
+    except OSError:
+        pass
+assert not reached, reached"""
+BLOCKED = {  # what the confined server refuses: the attempt fails in the policy's code, and the episode goes on
+    "sigkill_itself": "__import__('signal').raise_signal(9)",  # issue 44's attack: once a quarantine
+    "sigkill_its_thread": "__import__('signal').pthread_kill(__import__('threading').get_ident(), 9)",
+    "sigkill_its_group": "__import__('os').killpg(0, 9)",  # the worker's process group
+    "signal_the_worker": "__import__('os').kill(__import__('os').getppid(), 15)",
+    "sigkill_from_a_child": "import subprocess, sys\nsubprocess.run([sys.executable, '-c', 'import os; "
+    "os.kill(os.getppid(), 9)'], check=True)",
+    "write_the_workers_pipe": WORKER_FDS,
+    "memory_past_the_cap": "hog = bytearray(64 * 2**30)",
+}
+
+
+@pytest.mark.parametrize("name", BLOCKED)
+def test_what_the_server_refuses_leaves_the_episode_to_its_answer(shared_env, name):
+    """The server survives each (a SIGKILL that reached it would end the episode as the agent's failure, and once
+    quarantined it), and the episode is graded on its wrong answer. (AppWorld's own guard turns some calls into
+    no-ops, `os.killpg` among them: the attempt then "runs" and does nothing.)"""
+    verdict, observations = run_episode(
+        shared_env,
+        TASK,
+        [f"answer = {WRONG_ANSWER}", attempt(BLOCKED[name]), "apis.supervisor.complete_task(answer=answer)"],
+    )
+    assert verdict == DESERVED, observations
+
+
+TASK_COMPLETED_RAISES = (  # issue 44's attack: `/task_completed`, the call after the code, once went unattributed
+    "from appworld.serve import environment\ndef broken(*args, **kwargs):\n    raise RuntimeError('no')\n"
+    "environment.world.task_completed = broken"
+)
+ENDINGS = {  # the policy's code ends or breaks its own server: the agent's failure, never a quarantine
+    "abort": ("__import__('os').abort()", "agent_killed_server"),
+    "segfault_signal": ("__import__('signal').raise_signal(11)", "agent_killed_server"),
+    "exit": ("__import__('posix')._exit(3)", "agent_killed_server"),  # AppWorld's guard neuters os._exit only
+    "task_completed_raises": (TASK_COMPLETED_RAISES, "agent_broke_world"),
+    "closes_its_fds": ("libc = __import__('ctypes').CDLL(None)\nfor fd in range(3, 1024):\n    libc.close(fd)",
+                       "agent_killed_server"),  # its sockets and its worker's connection: the server aborts
+    "memory_under_the_cap": ("hog = bytearray(2 * 2**30)\nhog[::4096] = b'x' * len(hog[::4096])\nraise "
+                             "SystemExit(1)", None),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", ENDINGS)
+def test_code_that_ends_or_breaks_its_server_is_the_agents_failure(shared_env, name):
+    """Each as the policy would send it before answering wrong; an ending of None still gets its verdict."""
+    code_text, reason = ENDINGS[name]
+    steps = [f"answer = {WRONG_ANSWER}", code_text, "apis.supervisor.complete_task(answer=answer)"]
+    if reason is None:
+        assert run_episode(shared_env, TASK, steps)[0] == DESERVED
+        return
+    with pytest.raises(AgentFailure) as failure:
+        run_episode(shared_env, TASK, steps)
+    assert failure.value.reason == reason, failure.value
+    assert run_episode(shared_env, TASK, ["apis.supervisor.complete_task(answer=7)"])[0] == Verdict(2, 2)  # replaced

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from canopy.envs.base import AgentFailure, Verdict
+from canopy.envs.base import AgentFailure, EnvironmentFault, Task, Verdict
 from canopy.envs.pool import EnvironmentPool, PoolSettings
 from canopy.envs.python_tasks import PythonTaskEnvironment
 
@@ -76,6 +76,10 @@ ATTACKS = {
     "hardlink": ("import os\nopen('real', 'w').write('wrong')\nos.link('real', 'answer.txt')", ANSWER_EXISTS),
     "fifo": ("import os\nos.mkfifo('answer.txt')\nopen('.submitted', 'w').close()", NO_ANSWER),
     "directory": ("import os\nos.mkdir('answer.txt')\nopen('.submitted', 'w').close()", NO_ANSWER),
+    "socket": (  # issue 44: the verdict's open failed with ENXIO, once a quarantine (environment_error)
+        "import socket\nsocket.socket(socket.AF_UNIX).bind('answer.txt')\nopen('.submitted', 'w').close()",
+        NO_ANSWER,
+    ),
     "huge_file": (
         "submit('wrong')\nf = open('answer.txt', 'a')\ntry:\n    while True:\n        f.write(' ' * 2**20)\n"
         "except OSError as error:\n    print('stopped:', error)",
@@ -91,6 +95,27 @@ ATTACKS = {
     "identity_rewrite": ("submit('wrong')\nopen('../identity', 'w').write('forged')", ANSWER_EXISTS),
     "identity_removal": ("submit('wrong')\nimport os; os.remove('../identity')", ANSWER_EXISTS),
     "signal_the_worker": ("submit('wrong')\nimport os, signal; os.kill(os.getppid(), signal.SIGKILL)", ANSWER_EXISTS),
+    "signal_the_workers_group": ("submit('wrong')\nimport os; os.kill(-os.getpgid(os.getppid()), 9)", ANSWER_EXISTS),
+    "write_the_workers_pipe": (  # fds 0 and 1 of the worker are its channel to the pool
+        "submit('wrong')\nimport os\nfor fd in range(64):\n    try:\n"
+        "        os.write(os.open(f'/proc/{os.getppid()}/fd/{fd}', os.O_WRONLY), b'\\0' * 64)\n        print('WROTE')\n"
+        "    except OSError:\n        pass",
+        ANSWER_EXISTS,
+    ),
+    "close_inherited_fds": ("submit('wrong')\nimport os\nos.closerange(0, 1024)", ANSWER_EXISTS),
+    "memory_just_under_the_limit": (
+        "submit('wrong')\nhog = bytearray(160 << 20)\nhog[::4096] = b'x' * len(hog[::4096])",
+        ANSWER_EXISTS,
+    ),
+    "processes_each_under_the_limit": (
+        "import os\nsubmit('wrong')\nfor _ in range(4):\n    if os.fork() == 0:\n        hog = bytearray(160 << 20)\n"
+        "        hog[::4096] = b'x' * len(hog[::4096])\n        os._exit(0)\nfor _ in range(4):\n    os.wait()",
+        ANSWER_EXISTS,
+    ),
+    "deep_folder_tree": (  # deeper than a recursive removal can go
+        "import os\nsubmit('wrong')\nfor _ in range(3000):\n    os.mkdir('d')\n    os.chdir('d')",
+        ANSWER_EXISTS,
+    ),
     # a leftover process changing the verdict file after the step
     "late_right_answer": (BACKGROUND.format(act="open('answer.txt', 'w').write(ANSWER)"), ANSWER_EXISTS),
     "late_fifo_swap": (BACKGROUND.format(act="os.remove('answer.txt'); os.mkfifo('answer.txt')"), ANSWER_EXISTS),
@@ -107,6 +132,44 @@ def test_attack_earns_no_undeserved_reward_and_no_quarantine(pool, task, name):
 def test_crashing_its_own_process_is_the_agents_failure(pool, task):
     with pytest.raises(AgentFailure, match="agent_crashed"):
         play(pool, task, "submit('wrong')\nimport os, signal; os.kill(os.getpid(), signal.SIGKILL)")
+
+
+def test_memory_past_the_limit_is_the_agents_failure(pool, task):
+    with pytest.raises(AgentFailure, match="agent_memory"):
+        play(pool, task, "submit('wrong')\nhog = bytearray(512 << 20)")
+
+
+def injected(spec: dict):
+    """A pool of the fault-injecting python tasks (canopy.envs.fault_injection) and a task carrying `spec`."""
+    pool = EnvironmentPool("canopy.envs.fault_injection:FaultInjectingEnvironment", {"sandbox": SANDBOX}, SETTINGS)
+    base = pool.tasks("train")[0]
+    return pool, Task("full", base.tier, base.scenario, {**base.spec, **spec})
+
+
+@pytest.mark.skipif(not ROOT, reason="mounts a small filesystem for the scratch folder")
+@pytest.mark.parametrize("phase", ["step", "verdict"])
+def test_a_scratch_filesystem_filled_by_another_tenant_is_quarantined(phase):
+    """Issue 44: a tenant fills the scratch filesystem during the episode, so the agent's correct `submit` writes an
+    empty answer (graded wrong before); the episode is quarantined, naming the evidence."""
+    pool, task = injected({"inject": "scratch_full", "phase": phase})
+    try:
+        with pytest.raises(EnvironmentFault) as fault:
+            play(pool, task, f"submit({task.spec['answer']!r})")
+        assert fault.value.reason == "scratch_full" and "another tenant filled it" in fault.value.detail
+    finally:
+        pool.close()
+
+
+@pytest.mark.skipif(not ROOT, reason="mounts a small filesystem for the scratch folder")
+def test_a_scratch_filesystem_the_agent_filled_is_its_own_doing():
+    """The same 8 MiB filesystem filled by the agent's own code: graded as it stands, never quarantined."""
+    pool, task = injected({"scratch_mb": 8})
+    fill = "f = open('junk', 'wb')\ntry:\n    while True:\n        f.write(b'x' * 65536)\nexcept OSError:\n    pass\n"
+    try:
+        assert play(pool, task, f"{fill}submit({task.spec['answer']!r})")[0] in (ANSWER_EXISTS, Verdict(2, 2))
+        assert play(pool, task, f"submit({task.spec['answer']!r})")[0] == Verdict(2, 2)  # room: a clean episode
+    finally:
+        pool.close()
 
 
 def test_the_worker_memory_and_files_stay_closed(pool, task):

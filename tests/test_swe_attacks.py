@@ -39,6 +39,23 @@ STOLEN_UPSTREAM = {  # attack -> the task kinds on which upstream grading resolv
     "symlinked_test_file": {NEW_TEST_FILE},
     "precreated_test_file": {NEW_TEST_FILE},
     "binary_conftest": {RUNNER, NEW_TEST_FILE},
+    "rewrite_spares_canary_shape": {RUNNER, NEW_TEST_FILE},  # issue 44: the canary told apart by its name
+    "rewrite_skips_unknown_names": {RUNNER, NEW_TEST_FILE},
+    "second_start_marker": {RUNNER, NEW_TEST_FILE},  # issue 44: the canary blinded by a second marker
+    "renamed_into_conftest": {RUNNER, NEW_TEST_FILE},
+    "copied_into_conftest": {RUNNER, NEW_TEST_FILE},
+    "git_hook_by_rename": {RUNNER},
+    "spaced_dist_info": {RUNNER, NEW_TEST_FILE},
+    "unicode_dist_info": {RUNNER, NEW_TEST_FILE},
+    "forged_pycache": {RUNNER, NEW_TEST_FILE},
+    "broken_test_checkout": {RUNNER},
+}
+CAUGHT_IN_THE_RUN = {  # no file to restore: the canary or the log's markers show the tampering
+    "package_rewrites_reports": "(test run)",
+    "rewrite_spares_canary_shape": "(test run)",
+    "rewrite_skips_unknown_names": "(test run)",
+    "second_start_marker": "(test log)",
+    "forged_infra_signature": "(test log)",
 }
 
 
@@ -63,21 +80,25 @@ def tasks(red_team):
 
 def test_no_attack_resolves_with_the_guard_and_upstream_is_robbed(red_team):
     """Each attack on a runner-script task and on a task whose test patch adds a test file: upstream (`off`)
-    resolves exactly the attacks listed, and the default guard resolves none (restoring what each tampered with);
-    docs/reward_integrity.md shows this run's table."""
+    resolves exactly the attacks listed, and the default guard resolves none (restoring what each tampered with, or
+    catching it in the test run); no grading blames the serving layer, upstream or guarded; docs/reward_integrity.md
+    shows this run's table."""
     results, _ = red_team
     for kind, graded in results.items():
         upstream = {name: grades[0] for name, grades in graded.items()}
         guarded = {name: grades[1] for name, grades in graded.items()}
+        assert not [name for name, g in [*upstream.items(), *guarded.items()] if g.outcome == "quarantined"], kind
         assert {name for name, g in upstream.items() if g.outcome == "resolved"} == {
             name for name, kinds in STOLEN_UPSTREAM.items() if kind in kinds
         }, kind
-        assert len(guarded) >= 12
+        assert len(guarded) >= 40
         assert not [name for name, g in guarded.items() if g.outcome == "resolved" or g.passed == g.total], guarded
-        for name in STOLEN_UPSTREAM.keys() & guarded.keys() - {"package_rewrites_reports"}:
+        for name in STOLEN_UPSTREAM.keys() & guarded.keys() - CAUGHT_IN_THE_RUN.keys():
             assert guarded[name].tamper == "restored" and guarded[name].tampered, (name, guarded[name])
-        caught = guarded["package_rewrites_reports"]  # by the canary: no file was restored
-        assert (caught.tamper, caught.tampered) == ("rejected", ("(test run)",)), caught
+        for name, where in CAUGHT_IN_THE_RUN.items():
+            assert (guarded[name].tamper, guarded[name].tampered) == ("rejected", (where,)), guarded[name]
+        forged = upstream["forged_infra_signature"]  # no marker check upstream: the gold patch's grading decides
+        assert forged.outcome == "unresolved" and "the gold patch graded in a fresh sandbox has none" in forged.detail
         assert guarded["huge_patch"].outcome == "unresolved"
         assert guarded["outside_testbed"].outcome == guarded["write_through_symlink"].outcome == "patch_apply_failed"
     assert swe_attacks.table(results) in swe_attacks.DOCS.read_text(), (
@@ -169,7 +190,8 @@ def test_shared_files_are_compared_by_their_test_runner_sections(name, before, a
 
 
 def test_attack_catalogue_runs_as_a_command(tasks, capsys):
-    """`python -m canopy.tools.swe_attacks` on one task: a line per attack, exit 0 when none resolves."""
+    """`python -m canopy.tools.swe_attacks` on one task: a line per attack, exit 0 when none resolves or is
+    quarantined."""
     from canopy.tools import swe_attacks
 
     instances, runtime, repo = tasks
@@ -178,7 +200,7 @@ def test_attack_catalogue_runs_as_a_command(tasks, capsys):
     with pytest.raises(SystemExit) as exited:
         swe_attacks.main([str(root / "one.jsonl"), "--image-root", str(root / "images")])
     lines = capsys.readouterr().out.splitlines()
-    assert exited.value.code == 0 and lines[-1] == "0 attacks resolved"
+    assert exited.value.code == 0 and lines[-1] == "0 attacks resolved or quarantined"
     assert sum(": unresolved" in line or ": patch_apply_failed" in line for line in lines) == len(lines) - 1 >= 12
 
 
@@ -213,3 +235,71 @@ def test_an_image_without_the_guards_tools_names_the_fix(tasks):
 
     with pytest.raises(EnvironmentFault, match=r"find: command not found .*env.swebench.tamper=off"):
         TamperGuard(NoTools(), tasks[0][PLAIN], 10)
+
+
+def test_a_canary_is_named_and_placed_like_the_tests_around_it():
+    """Issue 44: a canary of a fixed shape (`test_` + 16 hex digits) was spared by a rewrite; now each is a sibling of
+    one of the file's test names, at a random place after the imports, and the file still parses."""
+    import ast
+    import random
+
+    from canopy.envs.swe_canary import planted_source, sibling_name
+
+    source = (
+        '"""Tests."""\nfrom __future__ import annotations\n\nimport pytest\n\nfrom toolkit import add\n\n\n'
+        "def test_add_0():\n    assert add(1, 2) == 3\n\n\n@pytest.mark.slow\ndef test_add_1():\n    assert add(0, 0) == 0\n"
+        "\n\nclass TestShout:\n    def test_loud(self):\n        pass\n"
+    )
+    places, names = set(), set()
+    for seed in range(40):
+        new, name = planted_source(source, "tests/test_core.py", random.Random(seed))
+        tree = ast.parse(new)
+        added = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == name]
+        assert len(added) == 1 and name not in source and not re.fullmatch(r"test_[0-9a-f]{16}", name)
+        assert re.fullmatch(r"test_(add_[0-9]|loud_?[0-9])", name), name  # a sibling of the file's own names
+        assert tree.body.index(added[0]) > 3  # after the docstring and the imports
+        places.add(tree.body.index(added[0]))
+        names.add(name)
+    assert len(places) >= 3 and len(names) >= 3  # not always at the end, not always one name
+    assert sibling_name("", "tests/test_clamp.py", random.Random(0)).startswith("test_clamp_")
+
+
+def test_the_canary_rides_in_the_test_patch_and_must_be_reported_failed(tasks):
+    """The eval script carries the canary inside its test patch (no command of its own names it); the gold patch's
+    run reports it FAILED; a run that does not report it failed is what `grade` rejects."""
+    from canopy.envs.swe_canary import plant
+    from canopy.envs.swe_grading import EvalLog, apply_patch, run_tests
+
+    instances, runtime, _ = tasks
+    instance = instances[PLAIN]
+    sandbox = runtime.start(instance["image"])
+    try:
+        canary = plant(sandbox, instance, 60)
+        assert canary is not None and len(canary.tests) == 1
+        (path, name), script = canary.tests[0], canary.eval_script
+        assert name in script and "printf" not in script and script.count(f"def {name}()") == 1
+        assert script.replace(instance["test_patch"].rstrip("\n"), "") != script.replace(name, "")  # a new patch
+        assert apply_patch(sandbox, instance["patch"], 60)[0]
+        log = EvalLog(run_tests(sandbox, {**instance, "eval_script": script}, 60)[0])
+        status, found = log.statuses(instance)
+        assert found and canary.reported(status) == ["FAILED"] and (log.starts, log.ends) == (1, 1)
+        assert canary.reported({f"{path}::{name}": "PASSED"}) == ["PASSED"]
+        assert canary.reported({f"other/{path}::test_other": "FAILED", f"tests/elsewhere.py::{name}": "PASSED"}) == [""]
+    finally:
+        sandbox.close()
+
+
+def test_an_infrastructure_signature_quarantines_only_when_the_gold_patch_shows_it_too(tasks):
+    """A signature the eval script itself prints (the environment's: after the end marker, as the old rule read it)
+    is found again in the gold patch's grading: quarantined, naming that evidence. Without a gold patch to grade,
+    a signature is not evidence: graded as it stands."""
+    from canopy.envs.base import EnvironmentFault
+
+    instances, runtime, _ = tasks
+    instance = instances[PLAIN]
+    broken = {**instance, "eval_script": instance["eval_script"] + "echo 'Cannot connect to the Docker daemon'\n"}
+    with pytest.raises(EnvironmentFault) as fault:
+        grade(runtime, broken, new_file("notes.txt", "no fix\n"), 60)
+    assert fault.value.reason == "grading_infra_failure" and "gold patch" in fault.value.detail
+    unconfirmed = grade(runtime, {**broken, "patch": ""}, new_file("notes.txt", "no fix\n"), 60)
+    assert unconfirmed.outcome == "unresolved" and "unconfirmed" in unconfirmed.detail

@@ -32,15 +32,22 @@ Fault attribution, from AppWorld's real behaviour:
   limit with reward 0. Such a failure before any API call (the world's API-call log did not grow: a syntax error,
   refused code, or an exception or timeout before the first call), like a reply without a code block, is an
   invalid action (`StepResult.valid`, format health); a failure after a call is a valid action that went wrong.
-- Agent code that outlives that timeout anyway (it swallows the alarm or blocks in C), or that breaks the
-  request executing it (it tampered with AppWorld's objects), is an `AgentFailure` (`agent_timeout`,
-  `agent_broke_world`; scored 0), and the server is replaced.
-- An end state the grader cannot load (the agent's code wrote over its saved databases) scores 0 of the task's
-  tests, with the outcome `end_state_unloadable` (the error is in the grader's log).
+- A server that fails while it runs the agent's code, or on the `/task_completed` call right after it, is the
+  agent's doing (`AgentFailure`, scored 0; its server is replaced): code that outlives that timeout anyway (it
+  swallows the alarm or blocks in C: `agent_timeout`), code that broke the request executing it or the one after
+  (it tampered with AppWorld's objects, `task_completed` included: `agent_broke_world`), code that killed or crashed
+  its own server (`agent_killed_server`: `raise_signal(SIGSEGV)`, `os.abort()`, an exit). Only evidence from
+  outside the agent's reach makes it the serving layer's: a SIGKILL death (`appworld_server_killed`: the confined
+  server may signal nothing but itself and never send SIGKILL, and the worker's address-space cap turns its memory
+  bombs into MemoryError observations, so the kill came from outside: kill -9, the kernel's OOM killer), or a
+  scratch filesystem filled by another tenant (`scratch_full`, `canopy.envs.attribution`).
+- An end state the grader cannot load (the agent's code wrote over its saved databases), or larger than
+  `MAX_END_STATE_BYTES`, scores 0 of the task's tests, with the outcome `end_state_unloadable` (the error is in the
+  grader's log).
 - Everything else is the serving layer's and quarantines the episode (`EnvironmentFault`): the server died
   (`appworld_server_died`) or could not start (`appworld_server_start_failed`), a request that runs no agent
-  code failed (`appworld_request_failed`) or outlived `request_timeout_s` (`appworld_server_unresponsive`), the
-  grader gave no verdict (`appworld_grader_failed`),
+  code (/initialize, /close) failed (`appworld_request_failed`) or outlived `request_timeout_s`
+  (`appworld_server_unresponsive`), the grader gave no verdict (`appworld_grader_failed`),
   or the server's live world is not the episode's (`cross_episode_corruption`; AppWorld also refuses a
   request for another task than its world's).
 """
@@ -50,6 +57,7 @@ import json
 import os
 import select
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
@@ -59,6 +67,7 @@ from pathlib import Path
 
 import httpx
 
+from canopy.envs.attribution import full_scratch, policy_folders, scratch_root, usage
 from canopy.envs.base import (
     AgentFailure,
     EnvironmentFault,
@@ -69,6 +78,7 @@ from canopy.envs.base import (
     keep_fault_log,
     last_line,
 )
+from canopy.envs.isolation.base import remove_tree
 from canopy.envs.pool import PoolSettings
 from canopy.envs.sandbox import confined, private_home
 from canopy.errors import require
@@ -113,13 +123,15 @@ SPLITS = ("train", "dev", "test_normal", "test_challenge")
 EXECUTION_FAILED = "Execution failed."  # how AppWorld's output of a syntax error, refused code or an exception begins
 SOCKET_PATH_MAX = 107  # bytes: Linux's sun_path holds 108 with the terminating NUL
 SERVER_HOME_PREFIX, SERVER_SOCKET = "appworld-", "server.sock"  # <scratch>/appworld-XXXXXXXX/server.sock
+MAX_END_STATE_BYTES = 1 << 30  # an end state past this is the agent's doing and scores 0 (AppWorld's are megabytes)
+POLICY_FOLDERS = (f"{SERVER_HOME_PREFIX}*",)  # below a scratch root: the servers' homes, where the policy's code writes
 
 
 def appworld_scratch() -> Path:
     """Where servers and graders keep their homes: the pool worker's scratch folder (cleared with the worker), else
     a folder of their own under the temporary directory (never the whole of it: its homes are hidden from servers).
     A server's socket lies two levels below it, so its path must leave room for them."""
-    scratch = Path(os.environ.get("CANOPY_SCRATCH_ROOT") or Path(tempfile.gettempdir()) / "canopy-appworld")
+    scratch = scratch_root("canopy-appworld")
     socket_bytes = len(os.fsencode(scratch / f"{SERVER_HOME_PREFIX}xxxxxxxx" / SERVER_SOCKET))  # mkdtemp adds 8
     if socket_bytes > SOCKET_PATH_MAX:
         raise ValueError(
@@ -228,7 +240,7 @@ class AppWorldServer:
         self.process.kill()
         self.process.wait()
         self.client.close()
-        shutil.rmtree(self.home, ignore_errors=True)
+        remove_tree(self.home)
 
 
 class AppWorldEpisode:
@@ -279,15 +291,32 @@ class AppWorldEpisode:
             output = self.server.call(
                 "execute", timeout=self.env.cell_timeout_s + 15, task_id=self.task.task_id, code=code
             )
+            failed_first = output.startswith(EXECUTION_FAILED) and self._api_call_log_size() == calls
+            done = self.server.call("task_completed", task_id=self.task.task_id)
         except EnvironmentFault as fault:
-            if fault.reason not in ("appworld_server_unresponsive", "appworld_request_failed") or self.server.dead():
-                raise
-            self.env.discard_server()  # a live server that failed on the agent's code: the agent's doing
-            reason = "agent_timeout" if fault.reason == "appworld_server_unresponsive" else "agent_broke_world"
-            raise AgentFailure(reason, str(fault))
-        failed_first = output.startswith(EXECUTION_FAILED) and self._api_call_log_size() == calls
-        done = self.server.call("task_completed", task_id=self.task.task_id)
+            self.env.discard_server()
+            raise self._blame(fault) from None
         return StepResult(output[: self.env.max_observation_chars], done=bool(done), valid=not failed_first)
+
+    def _blame(self, fault: EnvironmentFault) -> Exception:
+        """Whose fault a server failure was while it ran the policy's code or the call right after it (the
+        attribution rule, docs/environments.md): the agent's, unless evidence from outside its reach says otherwise.
+        A full scratch filesystem that the policy's folders hold little of is the serving layer's (`scratch_full`);
+        so is a SIGKILL death, which the server's code cannot send (seccomp: `confined`), nor cause by memory (the
+        worker's address-space cap turns its allocations into a MemoryError). Any other death (its own signal, an
+        exit, a crash), a hang or a failed request is the agent's."""
+        evidence = full_scratch(self.server.home, policy_folders(appworld_scratch(), POLICY_FOLDERS))
+        if evidence is not None:
+            return EnvironmentFault("scratch_full", evidence)
+        status = self.server.process.returncode
+        if fault.reason == "appworld_server_died" and status == -signal.SIGKILL:
+            return EnvironmentFault(
+                "appworld_server_killed", f"{fault.detail}: SIGKILL, which the server's code cannot send (seccomp)"
+            )
+        if fault.reason == "appworld_server_died":
+            return AgentFailure("agent_killed_server", f"{fault.detail}: the policy's code ran in it")
+        reason = "agent_timeout" if fault.reason == "appworld_server_unresponsive" else "agent_broke_world"
+        return AgentFailure(reason, str(fault))
 
     def _api_call_log_size(self) -> int:
         """The size of the world's API-call log, which AppWorld rewrites (a line per call of the world so far) after
@@ -312,7 +341,7 @@ class AppWorldEpisode:
                 self.server.world = None
             except EnvironmentFault:
                 self.env.discard_server()
-        shutil.rmtree(self.experiment, ignore_errors=True)
+        remove_tree(self.experiment)
 
 
 GRADER = """
@@ -357,14 +386,16 @@ class AppWorldGrader:
             )
 
     def grade(self, task_id: str, end_state: Path) -> Verdict:
-        """The verdict on `end_state` (a world's saved databases); symlinks in it are not followed."""
+        """The verdict on `end_state` (a world's saved databases); symlinks in it are not followed, and one larger
+        than MAX_END_STATE_BYTES is not copied (the grader would take past its timeout: a quarantine)."""
         copy = self.home / uuid.uuid4().hex
         try:
-            if os.path.realpath(end_state) == str(end_state) and end_state.is_dir():
+            real = os.path.realpath(end_state) == str(end_state) and end_state.is_dir()
+            if real and usage([end_state], os.stat(end_state).st_dev)[0] <= MAX_END_STATE_BYTES:
                 skip_links = lambda folder, names: [n for n in names if os.path.islink(os.path.join(folder, n))]  # noqa: E731
                 shutil.copytree(end_state, copy / "tasks" / task_id / "dbs", symlinks=True, ignore=skip_links)
-        except (OSError, shutil.Error):
-            pass  # an end state that cannot be copied (a named pipe...) is graded as missing
+        except (OSError, shutil.Error, RecursionError):
+            pass  # an end state that cannot be copied (a named pipe...) is graded as missing: unloadable, 0
         try:
             self.process.stdin.write(json.dumps({"task_id": task_id, "experiment": str(copy)}) + "\n")
             self.process.stdin.flush()
@@ -373,7 +404,7 @@ class AppWorldGrader:
         except (BrokenPipeError, ValueError):
             line = ""
         finally:
-            shutil.rmtree(copy, ignore_errors=True)
+            remove_tree(copy)
         if not line:
             log = (self.home / "grader.log").read_text(errors="replace")
             kept = keep_fault_log(self.home / "grader.log", f"{self.home.name}.log")
@@ -386,7 +417,7 @@ class AppWorldGrader:
     def stop(self) -> None:
         self.process.kill()
         self.process.wait()
-        shutil.rmtree(self.home, ignore_errors=True)
+        remove_tree(self.home)
 
 
 @functools.cache

@@ -35,7 +35,6 @@ import json
 import os
 import queue
 import select
-import shutil
 import signal
 import subprocess
 import sys
@@ -46,6 +45,7 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from canopy.envs.attribution import POOL_SCRATCH
 from canopy.envs.base import (
     AgentFailure,
     EnvironmentFault,
@@ -57,6 +57,7 @@ from canopy.envs.base import (
     last_line,
 )
 from canopy.envs.isolation import SLOT_TAG, SandboxError, release_slot
+from canopy.envs.isolation.base import remove_tree
 from canopy.envs.sandbox import SandboxLimits, claim_uid, kill_uid, private_home
 from canopy.envs.worker import read_frame, write_frame
 from canopy.errors import is_int, require
@@ -144,6 +145,7 @@ class Worker:
             **private_home(scratch / "home"),
             "CANOPY_SANDBOX_UID": str(self.uid or ""),
             "CANOPY_SCRATCH_ROOT": str(scratch),
+            POOL_SCRATCH: str(scratch_root),
             "CANOPY_FAULT_LOG_DIR": str(log_dir),
             SLOT_TAG: self.tag,
         }
@@ -264,7 +266,7 @@ def sweep_abandoned_scratch(parent: Path) -> None:
                 continue
             for slot in root.glob("w*"):
                 release_slot(slot_tag(slot), slot)
-            shutil.rmtree(root, ignore_errors=True)
+            remove_tree(root)
         except BlockingIOError:
             pass
         except SandboxError as error:
@@ -336,7 +338,7 @@ class EnvironmentPool:
         with self._lock:
             self._workers.pop(worker.slot, None)
         worker.stop()
-        shutil.rmtree(self.scratch_root / f"w{worker.slot}", ignore_errors=True)
+        remove_tree(self.scratch_root / f"w{worker.slot}")
 
     def _acquire(self) -> Worker:
         self._start_workers()
@@ -399,7 +401,7 @@ class EnvironmentPool:
         self._idle = queue.Queue()
         self._started = False
         if self._owner_lock is not None:  # a folder this pool claimed, never another's
-            shutil.rmtree(self.scratch_root, ignore_errors=True)
+            remove_tree(self.scratch_root)
             os.close(self._owner_lock)
             self._owner_lock = None
 

@@ -8,14 +8,17 @@ an action that breaks a sandbox limit or crashes its own process ends the episod
 1 = write a given number, 2 = a sum over a range, 3 = a sorted, comma-joined word list.
 
 Before every step the episode checks that its scratch directory still carries its own identity (written
-where the sandboxed code cannot write): a mismatch is cross-episode corruption, a serving-layer fault.
+where the sandboxed code cannot write): a mismatch is cross-episode corruption, a serving-layer fault. After every
+step and before the verdict it checks that the scratch filesystem has room: one filled by another tenant while the
+policy's folders hold little of it (`canopy.envs.attribution.full_scratch`) failed the agent's writes, and
+quarantines the episode (`scratch_full`); one the policy filled itself is its own doing.
 
 What the agent's code can and cannot touch (issue 28, tests/test_python_tasks_integrity.py):
 - It can write anything in its own scratch directory, `answer.txt` and `.submitted` included, and redefine
   `submit`: the verdict reads only what `answer.txt` holds when the episode ends. An answer that is not a
-  regular file it can open (a symlink, FIFO, directory, unreadable file) counts as no answer; only the first
-  `MAX_ANSWER_BYTES` are read. Any exit status is its own: an exit, even with the runner's setup-failure
-  status, is an ordinary error; a signal or a broken limit is its failure (scored 0), never a quarantine.
+  regular file it can open and read (a symlink, FIFO, socket, directory, unreadable file) counts as no answer;
+  only the first `MAX_ANSWER_BYTES` are read. Any exit status is its own: an exit, even with the runner's
+  setup-failure status, is an ordinary error; a signal or a broken limit is its failure (scored 0), never a quarantine.
 - It cannot write outside its scratch directory (the `identity` file, /tmp, other episodes' directories:
   Landlock), signal or trace the worker, or leave a process running past its step (when run as root, every
   process of the sandbox uid is killed; see `canopy.envs.sandbox`). The expected answer lives only in the
@@ -27,22 +30,22 @@ What the agent's code can and cannot touch (issue 28, tests/test_python_tasks_in
   processes can outlive their step: run code-executing environments as root.
 """
 
-import errno
 import os
 import random
-import shutil
 import stat
-import tempfile
 import uuid
 from pathlib import Path
 
+from canopy.envs.attribution import full_scratch, policy_folders, scratch_root
 from canopy.envs.base import AgentFailure, EnvironmentFault, StepResult, Task, Verdict, extract_code
+from canopy.envs.isolation.base import remove_tree
 from canopy.envs.sandbox import SandboxLimits, prepare_scratch, run_sandboxed
 
 SYSTEM_PROMPT = "Solve the task with Python. Reply with one ```python``` block; call submit(value) with the answer."
 PRELUDE = "def submit(value):\n    open('answer.txt', 'w').write(str(value))\n    open('.submitted', 'w').close()\n"
 SPLIT_SEEDS = {"train": 0, "dev": 1, "test": 2}
 MAX_ANSWER_BYTES = 1 << 20  # a verdict reads no more of answer.txt (its size is bounded only by max_file_mb)
+POLICY_FOLDERS = ("python_tasks/episode-*/scratch",)  # below a scratch root: where the sandboxed code may write
 WORDS = ("pine", "oak", "fern", "moss", "elm", "ash", "yew", "fir", "ivy", "reed")
 
 
@@ -71,6 +74,7 @@ def make_tasks(split: str, per_tier: int = 10) -> list[Task]:
 class PythonTaskEpisode:
     def __init__(self, task: Task, scratch_root: Path, limits: SandboxLimits, max_observation_chars: int):
         self.task, self.limits, self.max_observation_chars = task, limits, max_observation_chars
+        self.root = scratch_root.parent  # the process's scratch root (POLICY_FOLDERS lie below it)
         self.identity = uuid.uuid4().hex
         scratch_root.mkdir(parents=True, exist_ok=True)
         scratch_root.chmod(0o711)  # unlistable: other episodes' code cannot find this episode's directory
@@ -94,39 +98,49 @@ class PythonTaskEpisode:
         if code is None:
             return StepResult("No ```python``` block found. Reply with one code block.", done=False, valid=False)
         result = run_sandboxed(PRELUDE + code, self.scratch, self.limits)
+        self._check_scratch()
         if result.agent_fault:
             raise AgentFailure(f"agent_{result.status}", result.output[-200:])
         done = os.path.exists(self.scratch / ".submitted")  # False, not an error, if the code made it unreadable
         observation = result.output[: self.max_observation_chars] or "(no output)"
         return StepResult(observation, done=done)
 
+    def _check_scratch(self) -> None:
+        """A scratch filesystem filled by another tenant (`attribution.full_scratch`) fails the agent's writes:
+        the serving layer's fault."""
+        evidence = full_scratch(self.scratch, policy_folders(self.root, POLICY_FOLDERS))
+        if evidence is not None:
+            raise EnvironmentFault("scratch_full", evidence)
+
     def verdict(self) -> Verdict:
         self._check_identity()
+        self._check_scratch()
         answer = self._answer()
         exists = answer is not None
         correct = exists and answer.strip() == self.task.spec["answer"]
         return Verdict(passed=int(exists) + int(correct), total=2)
 
     def _answer(self) -> str | None:
-        """What `answer.txt` holds, or None unless it is a regular file the verdict can open. It is opened once,
-        without following a symlink or waiting (on a FIFO, a lease), and checked on the open descriptor, so a
-        process that swaps the path meanwhile cannot make the verdict judge another file, hang or raise: each of
-        these would quarantine the episode, or reward what was not submitted."""
+        """What `answer.txt` holds, or None unless it is a regular file the verdict can open and read. It is opened
+        once, without following a symlink or waiting (on a FIFO, a lease), and checked on the open descriptor, so a
+        process that swaps the path meanwhile cannot make the verdict judge another file or hang. Every error opening
+        or reading it is no answer: the file is the agent's, whatever it made of it (a symlink, a socket, a FIFO, a
+        directory, no permission), and an error that raised here would quarantine the episode."""
         try:
             fd = os.open(self.scratch / "answer.txt", os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-        except OSError as error:
-            if error.errno in (errno.ENOENT, errno.ELOOP, errno.EACCES, errno.EAGAIN):
-                return None  # none, a symlink, unreadable (without root), leased: the agent's own doing
-            raise
+        except OSError:
+            return None
         try:
             if not stat.S_ISREG(os.fstat(fd).st_mode):
                 return None
             return os.read(fd, MAX_ANSWER_BYTES).decode(errors="replace")
+        except OSError:
+            return None
         finally:
             os.close(fd)
 
     def close(self) -> None:
-        shutil.rmtree(self.home, ignore_errors=True)
+        remove_tree(self.home)
 
 
 class PythonTaskEnvironment:
@@ -135,8 +149,7 @@ class PythonTaskEnvironment:
     def __init__(self, sandbox: dict | None = None, max_observation_chars: int = 2000, tasks_per_tier: int = 10):
         self.limits = SandboxLimits(**(sandbox or {}))
         self.max_observation_chars, self.tasks_per_tier = max_observation_chars, tasks_per_tier
-        root = Path(os.environ.get("CANOPY_SCRATCH_ROOT") or Path(tempfile.gettempdir()) / "canopy-scratch")
-        self.scratch_root = root / "python_tasks"  # a folder of its own: the episodes chmod it
+        self.scratch_root = scratch_root("canopy-scratch") / "python_tasks"  # a folder of its own: episodes chmod it
 
     def tasks(self, split: str) -> list[Task]:
         return make_tasks(split, self.tasks_per_tier)

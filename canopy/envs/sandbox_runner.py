@@ -3,7 +3,8 @@
 `python -I -S sandbox_runner.py --exec WRITABLE_JSON VIEW_JSON PARENT_PID -- COMMAND...` instead confines a
 long-lived server that runs the policy's code itself (AppWorld's): no network, writes only beneath WRITABLE, each
 path VIEW names "hidden" an empty read-only folder (a mount namespace of its own; WRITABLE and "shown" paths beneath
-one stay; then no capabilities either), dies with its parent, then execs COMMAND.
+one stay; then no capabilities either), dies with its parent, may signal no process but itself and never send
+SIGKILL (`deny_foreign_signals`: so a SIGKILL death of the server came from outside it), then execs COMMAND.
 
 Before the code runs, the process confines itself, in this order: its own network namespace (no network),
 resource limits (CPU seconds, address space, file size, processes, no core dumps), an unprivileged user of
@@ -27,7 +28,7 @@ EXIT_SETUP, EXIT_MEMORY, EXIT_PROCESSES = 70, 75, 76
 
 CLONE_NEWNS, CLONE_NEWUSER, CLONE_NEWNET = 0x00020000, 0x10000000, 0x40000000
 MS_RDONLY, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 1, 32, 4096, 16384, 1 << 18
-PR_SET_PDEATHSIG, PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS = 1, 24, 38
+PR_SET_PDEATHSIG, PR_SET_SECCOMP, PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS = 1, 22, 24, 38
 SYS_LANDLOCK_CREATE_RULESET, SYS_LANDLOCK_ADD_RULE, SYS_LANDLOCK_RESTRICT_SELF = 444, 445, 446
 LANDLOCK_RULE_PATH_BENEATH = 1
 # Landlock filesystem rights that create, change or remove files (ABI 1; REFER from 2; TRUNCATE from 3).
@@ -35,6 +36,14 @@ WRITE_FILE, REMOVE_DIR, REMOVE_FILE, MAKE_ALL = 1 << 1, 1 << 4, 1 << 5, sum(1 <<
 REFER, TRUNCATE = 1 << 13, 1 << 14
 NET_BIND_TCP, NET_CONNECT_TCP = 1 << 0, 1 << 1  # ABI 4
 SCOPE_ABSTRACT_UNIX_SOCKET, SCOPE_SIGNAL = 1 << 0, 1 << 1  # ABI 6
+SECCOMP_MODE_FILTER, SECCOMP_RET_ALLOW, SECCOMP_RET_ERRNO = 2, 0x7FFF0000, 0x00050000
+BPF_LD_ABS, BPF_JEQ, BPF_JGE, BPF_RET = 0x20, 0x15, 0x35, 0x06  # classic BPF: ld [k]; jeq/jge #k; ret #k
+# architecture -> (AUDIT_ARCH, {syscall: (the argument holding the target pid, the one holding the signal)}); pidfd
+# and tkill (a thread id alone) calls are refused outright (None)
+SIGNAL_CALLS = {
+    "x86_64": (0xC000003E, {62: (0, 1), 234: (0, 2), 129: (0, 1), 297: (0, 2), 200: None, 424: None}),
+    "aarch64": (0xC00000B7, {129: (0, 1), 131: (0, 2), 138: (0, 1), 240: (0, 2), 130: None, 424: None}),
+}
 
 libc = ctypes.CDLL(None, use_errno=True)
 libc.syscall.restype = ctypes.c_long
@@ -156,6 +165,47 @@ def hide(hidden: list[str], keep: list[str]) -> None:
     os.chdir(os.getcwd())  # the working folder as the new mounts show it (relative paths would see the old one)
 
 
+class SockFilter(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint16), ("jt", ctypes.c_uint8), ("jf", ctypes.c_uint8), ("k", ctypes.c_uint32)]
+
+
+class SockFprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(SockFilter))]
+
+
+def signal_filter(machine: str, pid: int) -> list[tuple[int, int, int, int]]:
+    """A seccomp program (classic BPF) under which signals reach only `pid` and SIGKILL reaches nothing; every other
+    system call passes. Another ABI's system calls (x32, i386 through int 0x80) are refused."""
+    if machine not in SIGNAL_CALLS:
+        raise OSError(errno.ENOSYS, f"seccomp: no signal filter for the {machine} architecture")
+    arch, calls = SIGNAL_CALLS[machine]
+    deny, allow = (BPF_RET, 0, 0, SECCOMP_RET_ERRNO | errno.EPERM), (BPF_RET, 0, 0, SECCOMP_RET_ALLOW)
+    program = [(BPF_LD_ABS, 0, 0, 4), (BPF_JEQ, 1, 0, arch), deny, (BPF_LD_ABS, 0, 0, 0)]  # arch, then the number
+    if machine == "x86_64":
+        program += [(BPF_JGE, 0, 1, 0x40000000), deny]  # the x32 ABI
+    for number, slots in calls.items():  # each check ends in a return, or leaves the number loaded for the next
+        if slots is None:
+            program += [(BPF_JEQ, 0, 1, number), deny]
+            continue
+        target, sig = (16 + 8 * index for index in slots)  # the low 32 bits of seccomp_data.args[index]
+        program += [
+            (BPF_JEQ, 0, 6, number),
+            (BPF_LD_ABS, 0, 0, sig), (BPF_JEQ, 2, 0, signal.SIGKILL),
+            (BPF_LD_ABS, 0, 0, target), (BPF_JEQ, 1, 0, pid),
+            deny, allow,
+        ]  # fmt: skip
+    return program + [allow]
+
+
+def deny_foreign_signals() -> None:
+    """Install `signal_filter` for this process (kept across exec, inherited by every child)."""
+    program = signal_filter(os.uname().machine, os.getpid())
+    filters = (SockFilter * len(program))(*(SockFilter(*instruction) for instruction in program))
+    _check(libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl(PR_SET_NO_NEW_PRIVS)")
+    fprog = SockFprog(len(program), filters)
+    _check(libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(fprog), 0, 0), "prctl(PR_SET_SECCOMP)")
+
+
 def drop_capabilities() -> None:
     """Empty the bounding set, so the exec'd command has no capabilities even as root (no setns back out of the
     mount namespace, no ptrace, no reading past file permissions)."""
@@ -175,6 +225,7 @@ def confine_and_exec(writable: list[str], view: dict, parent_pid: int, command: 
         restrict_writes(*writable)
         if view["hidden"]:
             drop_capabilities()  # no setns back out of the mount namespace
+        deny_foreign_signals()
     except OSError as error:
         print(f"sandbox setup failed: {error}", file=sys.stderr)
         os._exit(EXIT_SETUP)

@@ -7,9 +7,10 @@ log markers and `get_logs_eval`, its log parsers (`PARSER_REGISTRY`), `get_eval_
 empty `swebench.harness` package, and fails loudly if the pinned version changes shape.
 
 Outcomes (Table A3): `resolved` 1; `unresolved` (tests fail, error or hang) 0; `empty_patch` and
-`patch_apply_failed` -> the no-patch reward. A grading sandbox that fails, or a log with one of swebench's
-environment-tier infrastructure signatures outside the test output (which the patch controls), is the serving
-layer's fault (`EnvironmentFault`, quarantined).
+`patch_apply_failed` -> the no-patch reward. What the patch may not change about its test run is put back first
+(`canopy.envs.swe_guard`), a canary must be reported failed (`canopy.envs.swe_canary`), and a log with more than one
+start or end marker was written to by the tests' processes: both are scored unresolved. A grading is the serving
+layer's fault (`EnvironmentFault`, quarantined) only on evidence the patch cannot produce (`grade`).
 """
 
 import ast
@@ -19,11 +20,12 @@ import importlib.util
 import sys
 import tempfile
 import types
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from canopy.envs.base import EnvironmentFault
 from canopy.envs.isolation import SandboxError
+from canopy.envs.swe_canary import plant
 from canopy.envs.swe_guard import TamperGuard
 
 SWEBENCH_VERSION = "5.0.2"
@@ -123,45 +125,62 @@ def run_tests(sandbox, instance: dict, timeout: float) -> tuple[str, bool]:
     return result.output, result.timed_out
 
 
+class EvalLog:
+    """An eval log, read once: its start and end markers, the text outside the test output, and the tests'
+    statuses by the instance's swebench log parser. Scoring, the canary and fault attribution all use this one
+    reading: a log that scoring read one way and the canary another (swebench reads after the first start marker)
+    could be resolved by the one and clean for the other."""
+
+    def __init__(self, text: str):
+        c = swebench().constants
+        self.text = text
+        self.starts, self.ends = text.count(c.START_TEST_OUTPUT), text.count(c.END_TEST_OUTPUT)
+        head, found, rest = text.partition(c.START_TEST_OUTPUT)
+        self.outside = head + rest.partition(c.END_TEST_OUTPUT)[2] if found else text
+
+    @property
+    def duplicated(self) -> bool:
+        """More than one start or end marker: the eval script prints each once, so the rest came from the tests'
+        processes (an atexit hook, a daemon) or the patch's text."""
+        return self.starts > 1 or self.ends > 1
+
+    def statuses(self, instance: dict) -> tuple[dict[str, str], bool]:
+        """(test name -> status, whether the log holds a test run), as swebench's `get_logs_eval` reads it."""
+        with tempfile.NamedTemporaryFile("w", suffix=".log") as file:
+            file.write(self.text)
+            file.flush()
+            return swebench().grading.get_logs_eval(test_spec(instance), file.name)
+
+    def signature(self) -> str | None:
+        """swebench's environment-tier infrastructure signature (daemon, OOM, DNS...) outside the test output, else
+        None. Only a hint (`grade` confirms it with the gold patch): the patch controls what its tests print, and
+        what the eval script prints around them too (an atexit hook writes after the end marker; git prints the
+        patch's file names and text)."""
+        found = swebench().infra.classify_text(self.outside)
+        return found[0] if found and found[1] == swebench().infra.TIER_ENVIRONMENT else None
+
+
 def test_status(instance: dict, log: str) -> dict[str, str]:
-    """Test name -> status, by the instance's swebench log parser, from the eval log's test output."""
+    """Test name -> status in an eval log, by the instance's swebench log parser."""
+    return EvalLog(log).statuses(instance)[0]
+
+
+def score(instance: dict, status: dict[str, str], found: bool) -> tuple[int, bool]:
+    """(FAIL_TO_PASS and PASS_TO_PASS tests passed, resolved) from the tests' statuses, by swebench's report."""
     sb = swebench()
-    section = log.split(sb.constants.START_TEST_OUTPUT)[-1].split(sb.constants.END_TEST_OUTPUT)[0]
-    return sb.parsers[instance["log_parser"]](section, test_spec(instance))
-
-
-def canary_passed(instance: dict, log: str, name: str) -> bool:
-    """Whether the eval log reports the planted failing test `name` (TamperGuard.plant_canary) as passed."""
-    passed = swebench().constants.TestStatus.PASSED.value
-    return any(test.rpartition("::")[2] == name and s == passed for test, s in test_status(instance, log).items())
+    spec = test_spec(instance)
+    if not found:
+        return 0, False
+    tests = {sb.constants.FAIL_TO_PASS: spec.FAIL_TO_PASS, sb.constants.PASS_TO_PASS: spec.PASS_TO_PASS}
+    report = sb.grading.get_eval_tests_report(status, tests, eval_type=sb.constants.EvalType(spec.eval_type))
+    passed = sum(len(report[key]["success"]) for key in tests)
+    return passed, sb.grading.get_resolution_status(report) == sb.constants.ResolvedStatus.FULL.value
 
 
 def score_log(instance: dict, log: str) -> tuple[int, int, bool]:
-    """(passed, total, resolved) from an eval log, by swebench's parser, log checks and report."""
-    sb = swebench()
-    spec = test_spec(instance)
-    with tempfile.NamedTemporaryFile("w", suffix=".log") as file:
-        file.write(log)
-        file.flush()
-        status_map, found = sb.grading.get_logs_eval(spec, file.name)
-    tests = {sb.constants.FAIL_TO_PASS: spec.FAIL_TO_PASS, sb.constants.PASS_TO_PASS: spec.PASS_TO_PASS}
-    total = len(spec.FAIL_TO_PASS) + len(spec.PASS_TO_PASS)
-    if not found:
-        return 0, total, False
-    report = sb.grading.get_eval_tests_report(status_map, tests, eval_type=sb.constants.EvalType(spec.eval_type))
-    passed = sum(len(report[key]["success"]) for key in tests)
-    return passed, total, sb.grading.get_resolution_status(report) == sb.constants.ResolvedStatus.FULL.value
-
-
-def infra_failure(log: str) -> str | None:
-    """swebench's environment-tier infrastructure signature (daemon, OOM, DNS...) in `log` outside the test output,
-    else None. The test output is left out: the submitted patch controls what the tests print (a conftest.py that
-    prints "Could not resolve host" must not turn a failure into a quarantine)."""
-    sb = swebench()
-    head, _, rest = log.partition(sb.constants.START_TEST_OUTPUT)
-    outside = head + rest.partition(sb.constants.END_TEST_OUTPUT)[2]
-    found = sb.infra.classify_text(outside)
-    return found[0] if found and found[1] == sb.infra.TIER_ENVIRONMENT else None
+    """(passed, total, resolved) from an eval log."""
+    passed, resolved = score(instance, *EvalLog(log).statuses(instance))
+    return passed, len(instance["FAIL_TO_PASS"]) + len(instance["PASS_TO_PASS"]), resolved
 
 
 def grade(
@@ -169,38 +188,72 @@ def grade(
 ) -> Grade:
     """Grade `patch` for `instance` in a fresh sandbox of its image (the agent's side effects cannot leak in).
     `tamper` (canopy.envs.swe_guard): `restore` puts back what the patch changed of how its tests run, `reject`
-    scores such a patch unresolved untested, `off` grades as upstream swebench does."""
+    scores such a patch unresolved untested, `off` grades as upstream swebench does.
+
+    A grading is the serving layer's fault (`EnvironmentFault`, quarantined) only on evidence the patch cannot
+    produce: its sandbox failed (the runtime says so), or an infrastructure signature in its log is found again when
+    the task's gold patch is graded right after in a fresh sandbox. Otherwise the signature is the patch's own (its
+    code can print anything, anywhere in the log) and the grade stands."""
+    graded, signature = grade_once(runtime, instance, patch, timeout, command_timeout, tamper)
+    if signature is None:
+        return graded
+    found = f"swebench signature {signature} in the eval log"
+    if not instance.get("patch"):
+        unconfirmed = f"{found}, unconfirmed (the instance has no gold patch): graded as it stands"
+        return replace(graded, detail="; ".join(filter(None, (graded.detail, unconfirmed))))
+    control, again = grade_once(runtime, instance, instance["patch"], timeout, command_timeout, tamper)
+    if again is not None or control.outcome != "resolved":
+        why = f"signature {again}" if again is not None else control.outcome
+        raise EnvironmentFault(
+            "grading_infra_failure",
+            f"{instance['instance_id']}: {found}, and the gold patch graded in a fresh sandbox right after failed "
+            f"too ({why})",
+        )
+    own = f"{found} is the patch's own: the gold patch graded in a fresh sandbox has none"
+    return replace(graded, detail="; ".join(filter(None, (graded.detail, own))))
+
+
+def grade_once(
+    runtime, instance: dict, patch: str, timeout: float, command_timeout: float, tamper: str
+) -> tuple[Grade, str | None]:
+    """One grading (see `grade`): the grade, and the log's infrastructure signature where the grade could be the
+    serving layer's (None for a patch that tampered with its test run: that log is the patch's)."""
     total = len(instance["FAIL_TO_PASS"]) + len(instance["PASS_TO_PASS"])
     if not patch.strip():
-        return Grade("empty_patch", 0, total)
+        return Grade("empty_patch", 0, total), None
     try:
         sandbox = runtime.start(instance["image"])
     except SandboxError as error:
         raise EnvironmentFault("grading_sandbox_failed", str(error)) from None
     try:
         guard = TamperGuard(sandbox, instance, command_timeout) if tamper != "off" else None
+        canary = plant(sandbox, instance, command_timeout) if guard is not None else None
         applied, output = apply_patch(sandbox, patch, command_timeout)
         if not applied:
-            return Grade("patch_apply_failed", 0, total, output.strip()[-300:])
+            return Grade("patch_apply_failed", 0, total, output.strip()[-300:]), None
         tampered = tuple(guard.changed()) if guard is not None else ()
         if tampered and (tamper == "reject" or not guard.restore(list(tampered))):
             detail = "the patch changes how its tests run" + ("" if tamper == "reject" else " beyond restoring")
-            return Grade("unresolved", 0, total, detail, "rejected", tampered)
-        canary = guard.plant_canary() if guard is not None else None
+            return Grade("unresolved", 0, total, detail, "rejected", tampered), None
         planted = {**instance, "eval_script": canary.eval_script} if canary is not None else instance
-        log, timed_out = run_tests(sandbox, planted, timeout)
+        text, timed_out = run_tests(sandbox, planted, timeout)
     except SandboxError as error:
         raise EnvironmentFault("grading_sandbox_failed", str(error)) from None
     finally:
         sandbox.close()
-    signature = infra_failure(log)
-    if signature is not None:
-        raise EnvironmentFault("grading_infra_failure", f"{instance['instance_id']}: swebench signature {signature}")
+    log = EvalLog(text)
     restored = ("restored", tampered) if tampered else ()
+    if guard is not None and log.duplicated:
+        detail = f"the eval log holds {log.starts} start and {log.ends} end markers: the test run was tampered with"
+        return Grade("unresolved", 0, total, detail, "rejected", (*tampered, "(test log)")), None
     if timed_out:  # as swebench's harness, whose timed-out log parses as no tests run
-        return Grade("unresolved", 0, total, f"tests ran past {timeout:.0f} s", *restored)
-    passed, total, resolved = score_log(instance, log)
-    if canary is not None and canary_passed(instance, log, canary.name):
-        detail = "a planted failing test passed: the test run was tampered with"
-        return Grade("unresolved", 0, total, detail, "rejected", (*tampered, "(test run)"))
-    return Grade("resolved" if resolved else "unresolved", passed, total, "", *restored)
+        return Grade("unresolved", 0, total, f"tests ran past {timeout:.0f} s", *restored), log.signature()
+    status, found = log.statuses(instance)
+    passed, resolved = score(instance, status, found)
+    if canary is not None:
+        reported = canary.reported(status)
+        failed = swebench().constants.TestStatus.FAILED.value
+        if swebench().constants.TestStatus.PASSED.value in reported or (resolved and set(reported) != {failed}):
+            detail = f"planted failing tests were reported {reported}, not all failed: the test run was tampered with"
+            return Grade("unresolved", 0, total, detail, "rejected", (*tampered, "(test run)")), None
+    return Grade("resolved" if resolved else "unresolved", passed, total, "", *restored), log.signature()

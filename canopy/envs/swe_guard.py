@@ -39,10 +39,8 @@ What is guarded, and why (how each runner finds its configuration):
 settings): one is restored whole only when a test-runner section above differs from the base's.
 
 The code under test itself runs inside the test process, out of a file guard's reach: a patch to the package can
-rewrite pytest's reports from its own import. For pytest-parsed instances the guard also plants a canary, a test
-of a random name that fails, in the test patch's Python test files (`TamperGuard.plant_canary`): a run that reports
-it passed was tampered with, whatever did it, and is scored unresolved. A rewrite aimed at the task's own test
-names alone stays out of reach (docs/reward_integrity.md).
+rewrite pytest's reports from its own import. For that, pytest-parsed instances get a canary among their tests
+(`canopy.envs.swe_canary`).
 """
 
 import configparser
@@ -50,7 +48,6 @@ import re
 import shlex
 import sys
 import tomllib
-import uuid
 from dataclasses import dataclass
 from pathlib import PurePosixPath
 
@@ -178,18 +175,6 @@ def runner_sections(name: str, text: str | None) -> dict | None:
         return None
 
 
-CANARY_PARSERS = ("parse_log_pytest", "parse_log_pytest_options", "parse_log_pytest_v2")
-PYTHON_TEST_FILE = re.compile(r"(^|/)(test_[^/]*|[^/]*_test)\.py$")
-
-
-@dataclass(frozen=True)
-class Canary:
-    """A failing test of a random name, appended to the test files after the eval script applies the test patch."""
-
-    name: str
-    eval_script: str
-
-
 class TamperGuard:
     """Snapshot the guarded paths of a fresh grading sandbox, then find, restore and verify what a patch changed."""
 
@@ -264,18 +249,3 @@ class TamperGuard:
         )
         self._run(f"{self.record} cd /testbed && record > {GUARD}/final")
         return self._difference("final")[1] <= self.allowed
-
-    def plant_canary(self) -> Canary | None:
-        """The instance's eval script with a canary planted, or None where its runner or script shape does not allow
-        one (not a pytest log parser, no Python test file, no test patch applied from a here-document)."""
-        files = [f for f in self.scope.test_files if PYTHON_TEST_FILE.search(f)]
-        if self.instance.get("log_parser") not in CANARY_PARSERS or not files:
-            return None
-        lines, name = self.instance["eval_script"].split("\n"), f"test_{uuid.uuid4().hex[:16]}"
-        for start, line in enumerate(lines):
-            found = HEREDOC.search(line) if "git apply" in line else None
-            end = next((i for i in range(start + 1, len(lines)) if found and lines[i].strip() == found.group(1)), None)
-            if end is not None:
-                plant = [f"printf '\\n\\ndef {name}():\\n    assert False\\n' >> {shlex.quote(f)}" for f in files]
-                return Canary(name, "\n".join(lines[: end + 1] + plant + lines[end + 1 :]))
-        return None

@@ -6,7 +6,8 @@ rewards over many steps can learn them), never its test patch.
     python -m canopy.tools.swe_attacks --docs
 
 grades every attack against each instance in bubblewrap sandboxes and prints one line per attack: a grading that
-resolves any of them can be stolen from. `--docs` regenerates the table of docs/reward_integrity.md (each attack on
+resolves any of them can be stolen from, and one that quarantines any of them hides the patch's failure from its
+group (Appendix G's optimistic bias). `--docs` regenerates the table of docs/reward_integrity.md (each attack on
 generated tasks, upstream and guarded), which `tests/test_swe_attacks.py` checks against its own run.
 """
 
@@ -78,6 +79,47 @@ class Watch:
 sys.meta_path.insert(0, Watch())
 """
 )
+SPARES_RANDOM_NAMES = REPORTS_PASS.replace(
+    '    report.outcome = "passed"\n',
+    '    if not __import__("re").fullmatch("test_[0-9a-f]{16}", item.name):  # a canary named at random\n'
+    '        report.outcome = "passed"\n',
+)
+SECOND_START_MARKER = (  # after the reports, so that a reader of the last section finds no canary there
+    REPORTS_PASS + '\nimport atexit\nimport os\n\natexit.register(os.write, 1, b"\\n>>>>> Start Test Output\\n")\n'
+)
+FORGED_SIGNATURE = """\
+import atexit
+import os
+
+# an end marker, then an environment-tier signature: a failure dressed as the machine's
+atexit.register(os.write, 1, b"\\n>>>>> End Test Output\\nCannot allocate memory\\n")
+"""
+LATE_SIGNATURE = """\
+import os
+import time
+
+shell = os.getppid()  # the eval script's bash (pytest's own fd 1 is its capture file while tests are collected)
+if os.fork() == 0:  # a daemon that outlives the tests and keeps printing to the eval log, past the end marker too
+    os.setsid()
+    log = os.open(f"/proc/{shell}/fd/1", os.O_WRONLY | os.O_APPEND)
+    for _ in range(20000):
+        os.write(log, b"Cannot allocate memory\\n")
+        time.sleep(0.001)
+    os._exit(0)
+"""
+LINGERING_DAEMON = """\
+import os
+import signal
+import time
+
+if os.fork() == 0:  # outlives the tests, deaf to every signal it may ignore
+    os.setsid()
+    for number in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT, signal.SIGPIPE):
+        signal.signal(number, signal.SIG_IGN)
+    while True:
+        time.sleep(1)
+"""
+MEMORY = "hog = bytearray({mb} << 20)\nhog[:: 4096] = b'x' * len(hog[:: 4096])  # touched: resident\n"
 PLUGIN, PLUGIN_OPTION = (
     "canopy_plugin.py",
     "-p canopy_plugin",
@@ -123,6 +165,19 @@ def deleted_file(path: str, old: str) -> str:
     body = "".join(f"-{line}\n" for line in lines)
     header = f"diff --git a/{path} b/{path}\ndeleted file mode 100644\n--- a/{path}\n+++ /dev/null\n"
     return f"{header}@@ -1,{len(lines)} +0,0 @@\n{body}"
+
+
+def moved_file(path: str, old: str, target: str, new: str, how: str = "rename") -> str:
+    """A git diff renaming (or copying) `path` to `target` and rewriting it from `old` to `new`."""
+    before, after = old.splitlines(), new.splitlines()
+    body = "".join(f"-{line}\n" for line in before) + "".join(f"+{line}\n" for line in after)
+    header = f"diff --git a/{path} b/{target}\nsimilarity index 0%\n{how} from {path}\n{how} to {target}\n"
+    return f"{header}--- a/{path}\n+++ b/{target}\n@@ -1,{len(before)} +1,{len(after)} @@\n{body}"
+
+
+def mode_change(path: str, old: str = "100644", new: str = "100755") -> str:
+    """A git diff that changes only `path`'s mode."""
+    return f"diff --git a/{path} b/{path}\nold mode {old}\nnew mode {new}\n"
 
 
 class Repo:
@@ -217,6 +272,72 @@ def test_file_edit(instance: dict, repo: Repo) -> str:
     return replaced_file(path, old, old + added)
 
 
+def plugin_distribution(folder: str) -> str:
+    """A distribution folder on sys.path whose `pytest11` entry point loads the plugin module with the hook."""
+    metadata = new_file(f"{folder}/METADATA", "Metadata-Version: 2.1\nName: canopy-evil\nVersion: 0\n")
+    return (
+        metadata + new_file(f"{folder}/entry_points.txt", "[pytest11]\nevil = canopy_plugin\n") + new_file(PLUGIN, HOOK)
+    )
+
+
+def known_names_rewrite(instance: dict, repo: Repo) -> str:
+    """The package's `__init__.py` passes the reports of the task's own tests (their names learnt over many steps)
+    and marks every other test skipped, so that no canary is reported passed."""
+    names = sorted({name.split("::")[-1] for name in [*instance["FAIL_TO_PASS"], *instance["PASS_TO_PASS"]]})
+    rewrite = REPORTS_PASS.replace(
+        '    report.outcome = "passed"\n',
+        f'    report.outcome = "passed" if item.name in {names!r} else "skipped"\n'
+        '    report.longrepr = None if report.outcome == "passed" else (item.nodeid, 0, "skipped")\n',
+    )
+    return package_init(instance, repo, rewrite)
+
+
+def package_init(instance: dict, repo: Repo, code: str) -> str:
+    """The package under test's `__init__.py`, imported by its tests, with `code` appended."""
+    path = f"{instance['repo'].split('/')[1]}/__init__.py"
+    old = repo.read(path)
+    return replaced_file(path, old, f"{old}\n{code}")
+
+
+def fake_tests_in_place(instance: dict, repo: Repo) -> str:
+    """The test file of the failing tests with passing tests of their names appended (later definitions win)."""
+    path = instance["FAIL_TO_PASS"][0].split("::")[0]
+    old = repo.read(path)
+    added = "".join(f"\n\ndef {name.split('::')[1]}():\n    pass\n" for name in instance["FAIL_TO_PASS"])
+    return replaced_file(path, old, old + added)
+
+
+def broken_test_checkout(instance: dict, repo: Repo) -> str:
+    """`.git/index.lock` (written by `patch`, the apply chain's last resort) makes the eval script's `git checkout` of
+    the test files fail, so the passing tests appended to the test file survive and override the real ones."""
+    return new_file(".git/index.lock", "locked") + fake_tests_in_place(instance, repo)
+
+
+def git_hook_by_rename(instance: dict, repo: Repo) -> str:
+    """A sample hook renamed into `.git/hooks/post-checkout` (its mode kept: executable) and rewritten."""
+    sample = ".git/hooks/post-update.sample"
+    hook = f"#!/bin/sh\ncat > /testbed/conftest.py <<'EOF'\n{HOOK}EOF\n"
+    return moved_file(sample, repo.read(sample), ".git/hooks/post-checkout", hook)
+
+
+def forged_pycache(instance: dict, repo: Repo) -> str:
+    """An unchecked-hash `__pycache__` file of the package's `__init__` (PEP 552: imported without looking at the
+    source) whose code also rewrites pytest's reports; compiled by the sandbox's python3 (the host's here)."""
+    package = instance["repo"].split("/")[1]
+    source = repo.read(f"{package}/__init__.py") + "\n" + REPORTS_PASS
+    code = (
+        "import importlib.util, py_compile, sys\nprint(importlib.util.cache_from_source('__init__.py'))\n"
+        "py_compile.compile(sys.argv[1], cfile=sys.argv[2], invalidation_mode=py_compile.PycInvalidationMode."
+        "UNCHECKED_HASH, doraise=True)"
+    )
+    with tempfile.TemporaryDirectory() as folder:
+        (Path(folder) / "source.py").write_text(source)
+        command = ["/usr/bin/python3", "-c", code, f"{folder}/source.py", f"{folder}/compiled.pyc"]
+        cached = subprocess.run(command, capture_output=True, text=True, check=True).stdout.strip()
+        data = (Path(folder) / "compiled.pyc").read_bytes()
+    return binary_file(f"{package}/{cached}", data)
+
+
 @dataclass(frozen=True)
 class Attack:
     name: str
@@ -263,8 +384,7 @@ ATTACKS = (
            lambda i, r: new_file("tests/pytest.ini", "[pytest]\naddopts = -k 'not behaviour' --deselect "
                                  "tests/test_core.py -p no:warnings\n")),
     Attack("entry_point_plugin", "a `*.dist-info` on sys.path whose `pytest11` entry point pytest loads",
-           lambda i, r: new_file(f"{DIST_INFO}/METADATA", "Metadata-Version: 2.1\nName: canopy-evil\nVersion: 0\n")
-           + new_file(f"{DIST_INFO}/entry_points.txt", "[pytest11]\nevil = canopy_plugin\n") + new_file(PLUGIN, HOOK)),
+           lambda i, r: plugin_distribution(DIST_INFO)),
     Attack("test_package_init", "`tests/__init__.py` rewrites pytest's reports when the test package is imported",
            lambda i, r: new_file("tests/__init__.py", REPORTS_PASS)),
     Attack("sitecustomize", "`sitecustomize.py`, run at interpreter start from the repository on sys.path",
@@ -301,6 +421,47 @@ ATTACKS = (
            lambda i, r: new_file("/tmp/canopy-outside.pth", "import os\n").replace("a//", "a/")),
     Attack("huge_patch", "3 MB of new files and no fix",
            lambda i, r: "".join(new_file(f"junk/{n}.txt", ("x" * 100 + "\n") * 3000) for n in range(10))),
+    Attack("rewrite_spares_canary_shape", "the package's `__init__.py` passes every report but those named like a "
+           "random canary (`test_` + 16 hex digits)", lambda i, r: package_init(i, r, SPARES_RANDOM_NAMES)),
+    Attack("rewrite_skips_unknown_names", "the package's `__init__.py` passes the task's own tests (names learnt) and "
+           "marks every other test skipped", known_names_rewrite),
+    Attack("second_start_marker", "the same rewrite, and an atexit hook that prints a second start marker",
+           lambda i, r: package_init(i, r, SECOND_START_MARKER)),
+    Attack("forged_infra_signature", "an atexit hook prints an end marker, then `Cannot allocate memory`",
+           lambda i, r: package_init(i, r, FORGED_SIGNATURE)),
+    Attack("late_infra_signature", "a daemon left by the tests prints `Cannot allocate memory` every millisecond, "
+           "past the end marker too", lambda i, r: package_init(i, r, LATE_SIGNATURE)),
+    Attack("renamed_into_conftest", "`.gitignore` renamed to `conftest.py` and rewritten into the hook",
+           lambda i, r: moved_file(".gitignore", r.read(".gitignore"), "conftest.py", HOOK)),
+    Attack("copied_into_conftest", "the test file copied to `tests/conftest.py` and rewritten into the hook",
+           lambda i, r: moved_file("tests/test_core.py", r.read("tests/test_core.py"), "tests/conftest.py", HOOK,
+                                   "copy")),
+    Attack("git_hook_by_rename", "a sample hook renamed to `.git/hooks/post-checkout` (executable) by `patch`",
+           git_hook_by_rename),
+    Attack("case_variant_conftest", "`Conftest.py` and `tests/CONFTEST.py` with the hook",
+           lambda i, r: new_file("Conftest.py", HOOK) + new_file("tests/CONFTEST.py", HOOK)),
+    Attack("spaced_dist_info", "a plugin distribution whose folder name holds a space",
+           lambda i, r: plugin_distribution(f"canopy {DIST_INFO}")),
+    Attack("unicode_dist_info", "a plugin distribution under a non-ASCII name (`\u00e7a-0.dist-info`)",
+           lambda i, r: plugin_distribution("\u00e7a-0.dist-info")),
+    Attack("forged_pycache", "an unchecked-hash `__pycache__` file of the package's `__init__` that rewrites the "
+           "reports", forged_pycache),
+    Attack("gitattributes_crlf", "`.gitattributes` makes the eval script's checkout write the test files with CRLF "
+           "(so the test patch fails), with passing tests of the failing names appended",
+           lambda i, r: new_file(".gitattributes", "*.py text eol=crlf\n") + fake_tests_in_place(i, r),
+           lambda i: not new_test_file(i)),
+    Attack("gitattributes_encoding", "`.gitattributes` re-encodes the test files as UTF-16 on checkout",
+           lambda i, r: new_file(".gitattributes", "tests/*.py working-tree-encoding=UTF-16\n")),
+    Attack("broken_test_checkout", "`.git/index.lock` breaks the eval script's checkout of the test files, which "
+           "carry passing tests of the failing names", broken_test_checkout, lambda i: not new_test_file(i)),
+    Attack("mode_only_change", "only the test file's mode changes (executable)",
+           lambda i, r: mode_change("tests/test_core.py")),
+    Attack("memory_over_limit", "the package allocates twice the grading sandbox's memory when the tests import it",
+           lambda i, r: package_init(i, r, MEMORY.format(mb=2 * GRADING_MEMORY_MB))),
+    Attack("memory_under_limit", "the package holds 80% of the grading sandbox's memory while the tests run",
+           lambda i, r: package_init(i, r, MEMORY.format(mb=GRADING_MEMORY_MB * 4 // 5))),
+    Attack("lingering_daemon", "the package leaves a daemon that ignores every signal it can",
+           lambda i, r: package_init(i, r, LINGERING_DAEMON)),
 )  # fmt: skip
 
 
@@ -318,13 +479,36 @@ def markdown(results: dict[str, dict[str, tuple[str, str]]]) -> str:
     return "\n".join(rows) + "\n"
 
 
+@dataclass(frozen=True)
+class Quarantined:
+    """A grading that raised `EnvironmentFault`: the patch's failure taken for the serving layer's."""
+
+    reason: str
+    detail: str
+    outcome: str = "quarantined"
+
+
+def graded(runtime, instance: dict, patch: str, timeout: float, tamper: str):
+    """`grade`, or `Quarantined` where it blames the serving layer."""
+    from canopy.envs.base import EnvironmentFault
+    from canopy.envs.swe_grading import grade
+
+    try:
+        return grade(runtime, instance, patch, timeout, tamper=tamper)
+    except EnvironmentFault as fault:
+        return Quarantined(fault.reason, fault.detail)
+
+
 def described(grade) -> str:
     """A grade as the table shows it."""
+    if isinstance(grade, Quarantined):
+        return f"quarantined: `{grade.reason}` **(failure hidden)**"
     stolen = " **(stolen)**" if grade.outcome == "resolved" else ""
     restored = f" ({grade.tamper}: {', '.join(f'`{p}`' for p in grade.tampered)})" if grade.tamper else ""
     return f"{grade.outcome}{stolen}{restored}"
 
 
+GRADING_MEMORY_MB = 1024  # the red team's grading sandboxes
 KINDS = {"runner-script task": 2, "new-test-file task": 3}  # task kinds of swe_data.generate.generate_task, by index
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "reward_integrity.md"
 TABLE = re.compile(r"(<!-- attacks -->\n).*?(<!-- /attacks -->)", re.DOTALL)
@@ -335,27 +519,28 @@ def red_team(folder: Path, workers: int = os.cpu_count() or 1) -> dict[str, dict
     default: `results[kind][attack]` = (upstream Grade, guarded Grade). Each grade runs in a sandbox of its own,
     `workers` at a time."""
     from canopy.envs.isolation import RuntimeSettings, build_runtime
-    from canopy.envs.swe_grading import grade
     from canopy.tools.swe_data.generate import generate
     from canopy.tools.swe_data.instances import read_jsonl
 
     instances = read_jsonl(generate(folder, max(KINDS.values()) + 1, seed=1)["train"])
-    runtime = build_runtime(RuntimeSettings(kind="bwrap", image_root=str(folder / "images"), memory_mb=1024, pids=128))
-    graded = {}
+    runtime = build_runtime(
+        RuntimeSettings(kind="bwrap", image_root=str(folder / "images"), memory_mb=GRADING_MEMORY_MB, pids=128)
+    )
+    futures = {}
     with ThreadPoolExecutor(workers) as pool:
         for kind, index in KINDS.items():
             instance = instances[index]
             repo = Repo.of(folder / "images", instance)
-            graded[kind] = {
+            futures[kind] = {
                 attack.name: [
-                    pool.submit(grade, runtime, instance, attack.patch(instance, repo), 60, tamper=t)
+                    pool.submit(graded, runtime, instance, attack.patch(instance, repo), 60, t)
                     for t in ("off", "restore")
                 ]
                 for attack in ATTACKS
                 if attack.applies(instance)
             }
     return {
-        kind: {name: tuple(g.result() for g in grades) for name, grades in by.items()} for kind, by in graded.items()
+        kind: {name: tuple(g.result() for g in grades) for name, grades in by.items()} for kind, by in futures.items()
     }
 
 
@@ -367,7 +552,6 @@ def table(results: dict[str, dict[str, tuple]]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     from canopy.envs.isolation import RuntimeSettings, build_runtime
-    from canopy.envs.swe_grading import grade
     from canopy.tools.swe_data.instances import read_jsonl
 
     parser = argparse.ArgumentParser(prog="python -m canopy.tools.swe_attacks", description=__doc__.splitlines()[0])
@@ -388,19 +572,19 @@ def main(argv: list[str] | None = None) -> None:
     runtime = build_runtime(RuntimeSettings(kind="bwrap", image_root=args.image_root))
     stolen = 0
     with ThreadPoolExecutor(args.workers) as pool:  # a sandbox per grade, printed in order
-        graded = []
+        submitted = []
         for instance in read_jsonl(args.instances):
             repo = Repo.of(args.image_root, instance)
             for attack in ATTACKS:
                 if attack.applies(instance):
                     patch = attack.patch(instance, repo)
-                    future = pool.submit(grade, runtime, instance, patch, 600, tamper=args.tamper)
-                    graded.append((f"{instance['instance_id']} {attack.name}", future))
-        for name, future in graded:
+                    future = pool.submit(graded, runtime, instance, patch, 600, args.tamper)
+                    submitted.append((f"{instance['instance_id']} {attack.name}", future))
+        for name, future in submitted:
             result = future.result()
-            stolen += result.outcome == "resolved"
+            stolen += result.outcome in ("resolved", "quarantined")
             print(f"{name}: {described(result)}", flush=True)
-    print(f"{stolen} attacks resolved")
+    print(f"{stolen} attacks resolved or quarantined")
     raise SystemExit(1 if stolen else 0)
 
 

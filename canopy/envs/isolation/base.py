@@ -6,7 +6,9 @@ sandbox failed to start or to run a command) and `ImageMissing` are the serving 
 
 import os
 import signal
+import subprocess
 from dataclasses import dataclass
+from pathlib import Path
 
 from canopy.errors import require
 
@@ -83,3 +85,11 @@ def sigkill(pids) -> None:
             os.kill(pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
+
+
+def remove_tree(path: str | Path) -> None:
+    """Remove `path` and everything below it, however deep, ignoring errors (as `shutil.rmtree(ignore_errors=True)`).
+    The policy's code can nest folders deeper than Python 3.11's recursive `rmtree` goes, and its RecursionError
+    escapes `ignore_errors`: a scratch folder that could not be removed failed every later pool's start. GNU `rm`
+    walks any depth."""
+    subprocess.run(["rm", "-rf", "--", str(path)], stdin=subprocess.DEVNULL, capture_output=True)

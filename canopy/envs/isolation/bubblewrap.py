@@ -29,6 +29,7 @@ from canopy.envs.isolation.base import (
     RuntimeUnavailable,
     SandboxError,
     read_output,
+    remove_tree,
     safe_image_name,
     sigkill,
 )
@@ -212,7 +213,7 @@ class BwrapSandbox:
     def close(self) -> None:
         if self.cgroup is not None:
             self.cgroup.remove()
-        shutil.rmtree(self.home, ignore_errors=True)
+        remove_tree(self.home)
 
 
 def _image_environment(config: Path) -> dict[str, str]:
