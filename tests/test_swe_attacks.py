@@ -247,8 +247,8 @@ def test_a_canary_is_named_and_placed_like_the_tests_around_it():
 
     source = (
         '"""Tests."""\nfrom __future__ import annotations\n\nimport pytest\n\nfrom toolkit import add\n\n\n'
-        "def test_add_0():\n    assert add(1, 2) == 3\n\n\n@pytest.mark.slow\ndef test_add_1():\n    assert add(0, 0) == 0\n"
-        "\n\nclass TestShout:\n    def test_loud(self):\n        pass\n"
+        "def test_add_0():\n    assert add(1, 2) == 3\n\n\n@pytest.mark.slow\ndef test_add_1():\n"
+        "    assert add(0, 0) == 0\n\n\nclass TestShout:\n    def test_loud(self):\n        pass\n"
     )
     places, names = set(), set()
     for seed in range(40):
