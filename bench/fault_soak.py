@@ -3,8 +3,9 @@
 Runs episodes through the real worker pool, sandbox and agent loop with faults of every kind injected (kill -9,
 hang, worker OOM, worker crash, cross-episode corruption, environment bug; the agent's infinite loop, sleep,
 memory bomb, fork bomb, crash and syntax error; escape attempts) and ends with the line
-`faults: N injected, N quarantined, N agent-failed, M misclassified, L lost` (M and L must be 0).
-Exits non-zero if anything was misclassified or lost.
+`faults: N injected, N quarantined, N agent-failed, M misclassified, L lost` (M and L must be 0), then the two
+directions of attribution by kind, `attribution: A agent endings quarantined (...), S serving faults scored (...)`
+(both must be 0; each is also misclassified). Exits non-zero if anything was misclassified or lost.
 
 `--swe` runs the SWE-bench mode instead (`python bench/fault_soak.py --swe --episodes 500 --workers 4`; needs
 bubblewrap): generated SWE tasks with SWE-bench's serving faults and the agent's own (`canopy.tools.fault_soak`), and
@@ -17,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from canopy.tools.fault_soak import latency_lines, soak, soak_line, swe_soak  # noqa: E402
+from canopy.tools.fault_soak import attribution_line, latency_lines, soak, soak_line, swe_soak  # noqa: E402
 
 
 def main() -> None:
@@ -44,6 +45,7 @@ def main() -> None:
     for line in latency_lines(counts.get("latency", {})):
         print(line)
     print(soak_line(counts))
+    print(attribution_line(counts))
     sys.exit(1 if counts["misclassified"] or counts["lost"] else 0)
 
 

@@ -290,12 +290,13 @@ def test_embedded_env_behind_the_pool_matches_in_process(tokenizer):
 @pytest.mark.slow
 def test_fault_soak_misclassifies_and_loses_nothing():
     from canopy.envs.fault_injection import INFRA_FAULTS
-    from canopy.tools.fault_soak import AGENT_FAULTS, soak, soak_line
+    from canopy.tools.fault_soak import AGENT_FAULTS, attribution_line, serving_faults, soak, soak_line
 
     counts, rows = soak(episodes=150, workers=6, fault_rate=0.7, seed=1)
-    print(soak_line(counts))
+    print(soak_line(counts), attribution_line(counts), sep="\n")
     kinds = {job.kind for job, _, _ in rows}
-    assert set(INFRA_FAULTS) | set(AGENT_FAULTS) <= kinds  # every kind was injected
+    assert set(serving_faults()) | set(AGENT_FAULTS) <= kinds  # every kind was injected
+    assert not counts["agent_quarantined"] and not counts["serving_scored"], attribution_line(counts)
     assert counts["misclassified"] == 0 and counts["lost"] == 0
     assert counts["quarantined"] == sum(job.kind in INFRA_FAULTS for job, _, _ in rows)
     assert soak_line(counts).endswith("0 misclassified, 0 lost")

@@ -4,10 +4,13 @@ must earn no more than its wrong answer deserves (1 of 2: an answer exists; 0 wh
 exists), and end as an ordinary verdict or the agent's own failure, never as a serving-layer fault."""
 
 import os
+import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -132,6 +135,30 @@ def test_attack_earns_no_undeserved_reward_and_no_quarantine(pool, task, name):
 def test_crashing_its_own_process_is_the_agents_failure(pool, task):
     with pytest.raises(AgentFailure, match="agent_crashed"):
         play(pool, task, "submit('wrong')\nimport os, signal; os.kill(os.getpid(), signal.SIGKILL)")
+
+
+def test_a_folder_tree_deeper_than_recursion_goes_leaves_nothing_behind():
+    """Issue 44's own finding: 3,000 nested folders made Python's recursive `rmtree` raise past `ignore_errors`, so
+    the pool's scratch folder stayed and every later pool's start failed while sweeping it. Removed by the episode
+    (in-process), and by the pool when the worker that hosted it is killed."""
+    env = PythonTaskEnvironment(SANDBOX)
+    episode = env.start(env.tasks("train")[0], seed=0)
+    episode.step(code(ATTACKS["deep_folder_tree"][0]))
+    episode.close()
+    assert not episode.home.exists()
+    scratch = Path(tempfile.gettempdir()) / f"canopy-deep-test-{os.getpid()}"  # reachable by the sandbox users
+    pool = EnvironmentPool("canopy.envs.python_tasks:PythonTaskEnvironment", {"sandbox": SANDBOX}, SETTINGS, scratch)
+    try:
+        pooled = pool.start(pool.tasks("train")[0], seed=0)
+        pooled.step(code(ATTACKS["deep_folder_tree"][0]))
+        os.kill(pooled.worker.pid, signal.SIGKILL)  # its episode cannot remove the tree: the pool must
+        with pytest.raises(EnvironmentFault, match="worker_killed"):
+            pooled.verdict()
+        pooled.close()
+        assert not list(scratch.glob("w*/python_tasks/episode-*"))
+    finally:
+        pool.close()
+    assert not scratch.exists()
 
 
 def test_memory_past_the_limit_is_the_agents_failure(pool, task):

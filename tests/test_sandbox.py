@@ -190,6 +190,52 @@ def test_confined_server_command_has_no_network_and_writes_only_where_allowed(sc
     assert (scratch / "inside.txt").read_text() == "ok" and not outside.exists()
 
 
+SIGNALS = """import os, signal, subprocess, sys, threading
+def attempt(name, send):
+    try:
+        send()
+        print(name, "sent")
+    except OSError:
+        print(name, "refused")
+signal.signal(signal.SIGUSR1, lambda *args: print("usr1 received"))
+attempt("usr1_to_itself", lambda: signal.raise_signal(signal.SIGUSR1))
+attempt("probe_itself", lambda: os.kill(os.getpid(), 0))
+attempt("sigkill_itself", lambda: os.kill(os.getpid(), signal.SIGKILL))
+attempt("sigkill_its_thread", lambda: signal.pthread_kill(threading.get_ident(), signal.SIGKILL))
+attempt("term_to_parent", lambda: os.kill(os.getppid(), signal.SIGTERM))
+attempt("term_to_its_group", lambda: os.killpg(0, signal.SIGTERM))
+child = subprocess.run([sys.executable, "-c", "import os; os.kill(os.getppid(), 9)"], capture_output=True)
+print("child", "refused" if child.returncode else "sent")
+"""
+
+
+def test_a_confined_server_signals_only_itself_and_never_sends_sigkill(scratch):
+    """Issue 44: AppWorld's policy code once killed its own server with SIGKILL, which was quarantined. Under
+    `confined`, SIGKILL reaches nothing (itself, its threads, from a child) and other signals reach only itself, so a
+    SIGKILL death came from outside."""
+    worker = (  # stands for the worker: the confined process's parent, in a session of its own
+        "import subprocess, sys\nfrom canopy.envs.sandbox import confined\n"
+        "done = subprocess.run(confined([sys.executable, '-c', sys.argv[1]], writable=[sys.argv[2]]))\n"
+        "print('worker alive')\nsys.exit(done.returncode)"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", worker, SIGNALS, str(scratch)],
+        capture_output=True, text=True, timeout=60, start_new_session=True,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split("\n")[:-1] == [
+        "usr1 received",
+        "usr1_to_itself sent",
+        "probe_itself sent",
+        "sigkill_itself refused",
+        "sigkill_its_thread refused",
+        "term_to_parent refused",
+        "term_to_its_group refused",
+        "child refused",
+        "worker alive",
+    ]
+
+
 def test_per_user_folders_of_libraries_land_in_the_scratch_dir(scratch, monkeypatch):
     """Whatever a library creates on first use (~/.ipython, ~/.cache/..., $HF_HOME) goes below the scratch dir,
     even when the caller's environment points those variables elsewhere."""

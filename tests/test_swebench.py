@@ -302,6 +302,41 @@ def test_rollout_timeout_and_a_failed_grading_sandbox(generated):
     episode.close()
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounts a small filesystem for the sandboxes")
+def test_a_sandbox_filesystem_filled_by_another_tenant_is_quarantined_and_one_the_agent_filled_is_not(
+    generated, tmp_path
+):
+    """Issue 44: the sandboxes' scratch on a 16 MiB tmpfs. Filled by a file outside the sandboxes' folders, a step and
+    a verdict are the serving layer's (`scratch_full`); filled by the agent's own command, the episode goes on."""
+    from canopy.envs.isolation.bubblewrap import BwrapRuntime
+
+    scratch = tmp_path / "fs"
+    scratch.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(scratch)], check=True)
+    try:
+        env = SWEBenchEnvironment(**settings(generated))
+        env.runtime = BwrapRuntime(env.settings.runtime, scratch=scratch)
+        instance = generated["instances"][0]
+        episode = env.start(instance_task(instance), 0)
+        fill = "head -c 15M /dev/zero > /testbed/junk; echo done"
+        assert "done" in episode.step(bash(fill)).observation  # the agent's own: an observation
+        episode.step(bash("rm /testbed/junk"))
+        with open(scratch / "tenant.bin", "wb", buffering=0) as tenant:
+            try:
+                while True:
+                    tenant.write(b"\0" * 65536)
+            except OSError:
+                pass
+        with pytest.raises(EnvironmentFault) as fault:
+            episode.step(bash("ls"))
+        assert fault.value.reason == "scratch_full" and "another tenant filled it" in fault.value.detail
+        with pytest.raises(EnvironmentFault, match="scratch_full"):
+            episode.verdict()
+        episode.close()
+    finally:
+        subprocess.run(["umount", "-l", str(scratch)], check=True)
+
+
 def test_a_missing_image_scores_zero_on_evaluation_splits(generated):
     env = SWEBenchEnvironment(**settings(generated, missing_image_scores_zero=["broken"]))
     task = next(t for t in env.tasks("broken") if t.task_id == "broken__image-1")
@@ -624,6 +659,7 @@ def test_bwrap_runs_rootless(generated):
             "canopy/compat.py",
             "canopy/errors.py",
             "canopy/envs/__init__.py",
+            "canopy/envs/attribution.py",
             *(str(path.relative_to(ROOT)) for path in sorted((ROOT / "canopy/envs/isolation").glob("*.py"))),
             "tests/rootless_probe.py",
         ):

@@ -305,7 +305,7 @@ class AppWorldEpisode:
         so is a SIGKILL death, which the server's code cannot send (seccomp: `confined`), nor cause by memory (the
         worker's address-space cap turns its allocations into a MemoryError). Any other death (its own signal, an
         exit, a crash), a hang or a failed request is the agent's."""
-        evidence = full_scratch(self.server.home, policy_folders(appworld_scratch(), POLICY_FOLDERS))
+        evidence = full_scratch(self.server.home, lambda: policy_folders(appworld_scratch(), POLICY_FOLDERS))
         if evidence is not None:
             return EnvironmentFault("scratch_full", evidence)
         status = self.server.process.returncode

@@ -14,6 +14,7 @@ process's scratch root and, in a pool worker, in every worker's of the pool (the
 
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 POOL_SCRATCH = "CANOPY_POOL_SCRATCH"  # set by the pool for its workers: the folder holding every worker's scratch
@@ -144,10 +145,10 @@ def usage(folders: list[Path], device: int) -> tuple[int, int]:
     return total, len(seen)
 
 
-def full_scratch(path: Path, folders: list[Path]) -> str | None:
+def full_scratch(path: Path, writable: Callable[[], list[Path]]) -> str | None:
     """The evidence that the filesystem holding `path` is full through no doing of the policy, whose code can write
-    only `folders`; None when it has room, or when those folders hold more than OWN_SHARE of it (the policy's own
-    doing: its episode is judged as it stands)."""
+    only the folders `writable()` lists (asked only when it is full); None when it has room, or when those folders
+    hold more than OWN_SHARE of it (the policy's own doing: its episode is judged as it stands)."""
     try:
         fs, device = os.statvfs(path), os.stat(path).st_dev
     except OSError:
@@ -156,6 +157,7 @@ def full_scratch(path: Path, folders: list[Path]) -> str | None:
     inodes_full = fs.f_files > 0 and fs.f_favail < FULL_INODES
     if free >= FULL_BYTES and not inodes_full:
         return None
+    folders = writable()
     own, own_inodes = usage(folders, device)
     if own > OWN_SHARE * size or (fs.f_files > 0 and own_inodes > OWN_SHARE * fs.f_files):
         return None

@@ -108,7 +108,7 @@ class PythonTaskEpisode:
     def _check_scratch(self) -> None:
         """A scratch filesystem filled by another tenant (`attribution.full_scratch`) fails the agent's writes:
         the serving layer's fault."""
-        evidence = full_scratch(self.scratch, policy_folders(self.root, POLICY_FOLDERS))
+        evidence = full_scratch(self.scratch, lambda: policy_folders(self.root, POLICY_FOLDERS))
         if evidence is not None:
             raise EnvironmentFault("scratch_full", evidence)
 

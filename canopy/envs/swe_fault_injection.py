@@ -48,6 +48,17 @@ class InjectingRuntime:
             Path(latency_dir).mkdir(parents=True, exist_ok=True)
             self.log = open(Path(latency_dir) / f"{os.getpid()}.jsonl", "a", buffering=1)
 
+    @property
+    def measures_writes(self) -> bool:
+        return self.runtime.measures_writes
+
+    @property
+    def scratch(self):
+        return self.runtime.scratch
+
+    def writable_folders(self):
+        return self.runtime.writable_folders()
+
     def record(self, op: str, seconds: float) -> None:
         if self.log is not None:
             self.log.write(json.dumps({"op": op, "s": round(seconds, 6)}) + "\n")

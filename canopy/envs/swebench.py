@@ -30,6 +30,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from canopy.envs.attribution import full_scratch
 from canopy.envs.base import EnvironmentFault, StepResult, Task, Verdict
 from canopy.envs.isolation import ImageMissing, RuntimeSettings, SandboxError, build_runtime
 from canopy.envs.swe_grading import grade
@@ -233,6 +234,7 @@ class SWEBenchEpisode:
             text = self.harness.render("format_error_template", actions=actions)
             return StepResult(text, done=False, valid=False)  # not exactly one bash block: an invalid action
         result = self._run(actions[0], self.env.command_timeout)
+        self._check_scratch()
         if result.timed_out:
             text = self.harness.render("timeout_template", action={"action": actions[0]}, output=result.output)
             return StepResult(text, done=False)
@@ -243,7 +245,18 @@ class SWEBenchEpisode:
         output = {"output": result.output, "returncode": result.returncode}
         return StepResult(self.harness.render("action_observation_template", output=output), done=False)
 
+    def _check_scratch(self) -> None:
+        """A scratch filesystem filled by another tenant fails the policy's writes: the serving layer's fault
+        (`canopy.envs.attribution.full_scratch`; bwrap's sandboxes only: a container's layer is the daemon's)."""
+        runtime = self.env.runtime
+        evidence = full_scratch(runtime.scratch, runtime.writable_folders) if runtime.measures_writes else None
+        if evidence is not None:
+            raise EnvironmentFault("scratch_full", evidence)
+
     def verdict(self) -> Verdict:
+        """Graded in a fresh sandbox, once this episode's own is gone (nothing it left running meets the grading)."""
+        self.close()
+        self._check_scratch()
         total = len(self.instance["FAIL_TO_PASS"]) + len(self.instance["PASS_TO_PASS"])
         no_patch = self.env.settings.no_patch_reward
         if self.image_unavailable:

@@ -18,6 +18,7 @@ grading.
 """
 
 import json
+import os
 import random
 import re
 import tempfile
@@ -27,13 +28,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from canopy.envs.base import Task
-from canopy.envs.fault_injection import INFRA_FAULTS
+from canopy.envs.fault_injection import EPISODE_PHASES, INFRA_FAULTS, NEEDS_ROOT
 from canopy.envs.pool import EnvironmentPool, PoolSettings
 from canopy.envs.swe_fault_injection import SERVING_FAULTS
 from canopy.envs.swebench import NO_PATCH_OUTCOMES
 from canopy.rollout.agent_loop import Budget, Trajectory, run_episodes
 from canopy.rollout.engine import Generation, SamplingParams
-from canopy.tools.swe_attacks import ATTACKS
+from canopy.tools.swe_attacks import ATTACKS, Repo
 from canopy.tools.swe_data.generate import generate
 from canopy.tools.tiny_model import build_byte_tokenizer
 
@@ -44,6 +45,11 @@ AGENT_CODE = {
     "agent_fork": "import os\nwhile True:\n    os.fork()",
     "agent_crash": "import os\nos.abort()",
     "agent_syntax": "def broken(:\n    pass",
+    "agent_kill_self": "import os, signal\nos.kill(os.getpid(), signal.SIGKILL)",
+    "agent_answer_socket": "import socket\nsocket.socket(socket.AF_UNIX).bind('answer.txt')\n"
+    "open('.submitted', 'w').close()",  # issue 44: the verdict's open once raised (a quarantine)
+    "agent_deep_tree": "import os\nopen('.submitted', 'w').close()\nfor _ in range(3000):\n    os.mkdir('d')\n"
+    "    os.chdir('d')",  # deeper than a recursive removal goes (once failed every later pool's start)
 }
 AGENT_FAULTS = tuple(AGENT_CODE)
 ESCAPE = "agent_escape"
@@ -67,18 +73,23 @@ class SoakJob:
     expected: str  # quarantined | agent_scored_0 | success; SWE mode: an outcome | quarantined:<reason>
 
 
+def serving_faults() -> tuple[str, ...]:
+    """The serving faults this machine can inject (a full scratch filesystem needs root to mount a small one)."""
+    return tuple(kind for kind in INFRA_FAULTS if kind not in NEEDS_ROOT or os.geteuid() == 0)
+
+
 def soak_jobs(count: int, fault_rate: float, seed: int, base_tasks: list[Task]) -> list[SoakJob]:
     """`count` episodes, a `fault_rate` share of them with a fault; kinds and phases drawn uniformly."""
     rng = random.Random(seed)
     jobs = []
     for i in range(count):
         base = rng.choice(base_tasks)
-        kind = rng.choice(INFRA_FAULTS + AGENT_FAULTS + (ESCAPE,)) if rng.random() < fault_rate else "clean"
+        kind = rng.choice(serving_faults() + AGENT_FAULTS + (ESCAPE,)) if rng.random() < fault_rate else "clean"
         spec = dict(base.spec)
         if kind in INFRA_FAULTS:
             spec.update(
                 inject=kind,
-                phase=rng.choice(("step", "verdict") if kind == "corruption" else ("start", "step", "verdict")),
+                phase=rng.choice(("step", "verdict") if kind in EPISODE_PHASES else ("start", "step", "verdict")),
             )
         expected = "quarantined" if kind in INFRA_FAULTS else "agent_scored_0" if kind in AGENT_FAULTS else "success"
         jobs.append(SoakJob(Task(f"soak{i}-{kind}", base.tier, base.scenario, spec), kind, expected))
@@ -192,10 +203,23 @@ def run_soak(pool: EnvironmentPool, make_jobs, agent_class, classify, budget: Bu
         pool.close()
     classes = [classify(t, tokenizer) for t in trajectories]
     classes += ["lost"] * (episodes - len(classes))
+    pairs = list(zip(jobs, classes))
     counts = {
         "injected": sum(job.kind != "clean" for job in jobs),
         "quarantined": sum(c.startswith("quarantined") for c in classes),
-        "misclassified": sum(c not in (job.expected, "lost") for job, c in zip(jobs, classes)),
+        "misclassified": sum(c not in (job.expected, "lost") for job, c in pairs),
+        # the two ways attribution can fail, by kind: an agent ending taken for the serving layer's (Appendix G's
+        # optimistic bias) and a serving fault scored as the agent's
+        "agent_quarantined": Counter(
+            job.kind for job, c in pairs if c.startswith("quarantined") and not job.expected.startswith("quarantined")
+        ),
+        "serving_scored": Counter(
+            job.kind
+            for job, c in pairs
+            if job.expected.startswith("quarantined")
+            and c not in ("lost", job.expected)
+            and not c.startswith("quarantined")
+        ),
         "lost": classes.count("lost"),
         "repairs": repairs,
         "seconds": time.monotonic() - started,
@@ -210,6 +234,16 @@ def soak_line(counts: dict) -> str:
     return (
         f"faults: {counts['injected']} injected, {counts['quarantined']} quarantined, {counts['agent_failed']} "
         f"agent-failed, {counts['misclassified']} misclassified, {counts['lost']} lost"
+    )
+
+
+def attribution_line(counts: dict) -> str:
+    """The two directions of attribution, each by kind: both must be 0."""
+    by_kind = lambda counter: ", ".join(f"{kind} {n}" for kind, n in sorted(counter.items())) or "none"  # noqa: E731
+    agent, serving = counts["agent_quarantined"], counts["serving_scored"]
+    return (
+        f"attribution: {sum(agent.values())} agent endings quarantined ({by_kind(agent)}), "
+        f"{sum(serving.values())} serving faults scored ({by_kind(serving)})"
     )
 
 
@@ -241,11 +275,19 @@ SWE_FAILURES = {  # kind -> (the agent's replies, the last one repeating; the ou
         "patch_apply_failed",
     ),
 }
-SWE_TAMPERING = {  # kind -> an attack of canopy.tools.swe_attacks that needs no repository, submitted as its patch
-    f"tamper_{attack.name}": attack
-    for attack in ATTACKS
-    if attack.name in ("conftest_outcome_hook", "conftest_exit_zero", "pytest_ini_plugin", "entry_point_plugin",
-                       "sitecustomize", "git_hook", "binary_conftest")
+SWE_TAMPERING = {  # kind -> (an attack of canopy.tools.swe_attacks, submitted as its patch; the outcome it must get)
+    f"tamper_{name}": (next(a for a in ATTACKS if a.name == name), outcome)
+    for name, outcome in {
+        "conftest_outcome_hook": "unresolved (tamper restored)", "conftest_exit_zero": "unresolved (tamper restored)",
+        "pytest_ini_plugin": "unresolved (tamper restored)", "entry_point_plugin": "unresolved (tamper restored)",
+        "sitecustomize": "unresolved (tamper restored)", "git_hook": "unresolved (tamper restored)",
+        "binary_conftest": "unresolved (tamper restored)", "forged_pycache": "unresolved (tamper restored)",
+        # issue 44: caught in the test run (the canary, the log's markers), or a signature that is the patch's own
+        "rewrite_spares_canary_shape": "unresolved (tamper rejected)",
+        "second_start_marker": "unresolved (tamper rejected)",
+        "forged_infra_signature": "unresolved (tamper rejected)",
+        "late_infra_signature": "unresolved",
+    }.items()
 }  # fmt: skip
 SWE_KINDS = (*SERVING_FAULTS, "image_unavailable", *SWE_DETOURS, *SWE_FAILURES, *SWE_TAMPERING)
 SWE_REWARDS = {"resolved": 1.0, "unresolved": 0.0, "image_unavailable": 0.0, **dict.fromkeys(NO_PATCH_OUTCOMES, -0.2)}
@@ -253,10 +295,11 @@ LATENCY_OPS = {"sandbox_start": "sandbox start", "command": "command", "grading_
                "grading": "grading"}  # fmt: skip
 
 
-def swe_soak_jobs(count: int, fault_rate: float, seed: int, base_tasks: list[Task]) -> list[SoakJob]:
+def swe_soak_jobs(count: int, fault_rate: float, seed: int, base_tasks: list[Task], image_root: Path) -> list[SoakJob]:
     """`count` episodes, a `fault_rate` share of them with a fault: the kinds in turn (a shuffled cycle, so a short
     soak still has each), phases drawn uniformly. `image_unavailable` is a missing image on an evaluation split,
-    where it scores 0 (Appendix H)."""
+    where it scores 0 (Appendix H). A tampering job carries its attack's patch, made from the task's repository in
+    its image under `image_root`."""
     rng = random.Random(seed)
     kinds = rng.sample(SWE_KINDS, len(SWE_KINDS))
     jobs, faults = [], 0
@@ -273,7 +316,8 @@ def swe_soak_jobs(count: int, fault_rate: float, seed: int, base_tasks: list[Tas
             spec.update(inject="image_missing", phase="start", split="eval")
             expected = "image_unavailable"
         elif kind in SWE_TAMPERING:
-            expected = "unresolved (tamper restored)"  # the guard puts back what the patch tampered with
+            attack, expected = SWE_TAMPERING[kind]
+            spec.update(attack_patch=attack.patch(base.spec, Repo.of(image_root, base.spec)))
         else:
             expected = SWE_FAILURES[kind][1] if kind in SWE_FAILURES else "resolved"
         jobs.append(SoakJob(Task(f"swe{i}-{kind}", base.tier, base.scenario, spec), kind, expected))
@@ -286,7 +330,7 @@ class SWESoakAgent(SoakAgent):
 
     def action(self, job: SoakJob, turn: int) -> str:
         if job.kind in SWE_TAMPERING:
-            patch = SWE_TAMPERING[job.kind].patch(job.task.spec, None)
+            patch = job.task.spec["attack_patch"]
             return bash(f"echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT && cat <<'CANOPY_PATCH'\n{patch}CANOPY_PATCH")
         if job.kind in SWE_FAILURES:
             replies = SWE_FAILURES[job.kind][0]
@@ -343,7 +387,7 @@ def swe_soak(episodes: int, workers: int, fault_rate: float = 0.5, seed: int = 0
         pool = EnvironmentPool("canopy.envs.swe_fault_injection:FaultInjectingSWEEnvironment", kwargs, settings)
         counts, rows = run_soak(
             pool,
-            lambda base: swe_soak_jobs(episodes, fault_rate, seed, base),
+            lambda base: swe_soak_jobs(episodes, fault_rate, seed, base, Path(folder) / "tasks" / "images"),
             SWESoakAgent,
             swe_observed_class,
             budget,

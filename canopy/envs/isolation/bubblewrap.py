@@ -21,6 +21,7 @@ import tempfile
 import uuid
 from pathlib import Path
 
+from canopy.envs.attribution import policy_folders
 from canopy.envs.isolation.base import (
     SLOT_TAG,
     CommandResult,
@@ -43,6 +44,7 @@ class BwrapRuntime:
     """Bubblewrap on an overlay of the unpacked image (see the module docstring)."""
 
     name = "bwrap"
+    measures_writes = True  # `writable_folders` lists where its sandboxes write, under `scratch`
 
     def __init__(self, settings: RuntimeSettings, scratch: str | Path | None = None):
         self.settings = settings
@@ -85,6 +87,11 @@ class BwrapRuntime:
             result = sandbox.run("true", timeout=60)
             if result.returncode != 0:
                 raise SandboxError(result.output.strip() or f"exit {result.returncode}")
+
+    def writable_folders(self) -> list[Path]:
+        """The folders the policy's commands can write, this worker's and its pool's siblings' (`attribution`): the
+        sandboxes' upper layers and /tmp folders, beside `scratch`."""
+        return policy_folders(self.scratch.parent, ("sandboxes/*/upper", "sandboxes/*/tmp"))
 
     def image_dir(self, image: str) -> Path:
         return self.image_root / safe_image_name(image)

@@ -29,6 +29,9 @@ PODMAN_FLAGS = ("--runtime", "runc", "--cgroup-manager", "cgroupfs")  # crun fai
 class ContainerRuntime:
     """docker or podman: one container per sandbox, commands by `exec` (see the module docstring)."""
 
+    measures_writes = False  # a container's writable layer lives in the daemon's storage: a full disk there is not
+    # told apart from the policy's own writes (the command fails; the episode is judged as it stands)
+
     def __init__(self, settings: RuntimeSettings, executable: str):
         self.settings, self.executable, self.name = settings, executable, executable
         self.prefix = [executable, *(PODMAN_FLAGS if executable == "podman" else ())]
