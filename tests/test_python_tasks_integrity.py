@@ -161,6 +161,14 @@ def test_a_folder_tree_deeper_than_recursion_goes_leaves_nothing_behind():
     assert not scratch.exists()
 
 
+def test_code_hung_in_a_system_call_is_the_agents_failure(pool, task):
+    """Blocked in `pause()` with every signal it may block masked: the wall limit's SIGKILL still ends it, as the
+    agent's timeout, within the worker's request timeout (never worker_unresponsive)."""
+    hang = "import ctypes, signal\nsubmit('wrong')\nsignal.pthread_sigmask(signal.SIG_BLOCK, range(1, 65))\n"
+    with pytest.raises(AgentFailure, match="agent_timeout"):
+        play(pool, task, hang + "ctypes.CDLL(None).pause()")
+
+
 def test_memory_past_the_limit_is_the_agents_failure(pool, task):
     with pytest.raises(AgentFailure, match="agent_memory"):
         play(pool, task, "submit('wrong')\nhog = bytearray(512 << 20)")

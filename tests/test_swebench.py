@@ -157,7 +157,7 @@ def test_a_reply_without_exactly_one_bash_block_is_an_invalid_action():
     block is valid, whatever its command does."""
     sandbox = SimpleNamespace(run=lambda command, timeout, env: CommandResult(f"ran {command}", 2), close=lambda: None)
     env = SimpleNamespace(
-        runtime=SimpleNamespace(start=lambda image: sandbox),
+        runtime=SimpleNamespace(start=lambda image: sandbox, measures_writes=False),
         settings=SWEBenchSettings(check_base_commit=False),
         command_timeout=60,
     )

@@ -30,10 +30,8 @@ import shlex
 from dataclasses import dataclass
 from pathlib import PurePosixPath
 
-from canopy.envs.base import EnvironmentFault
-from canopy.envs.isolation import SandboxError
 from canopy.envs.swe_guard import GUARD as FOLDER
-from canopy.envs.swe_guard import HEREDOC, TEST_PATCH_FILE
+from canopy.envs.swe_guard import HEREDOC, TEST_PATCH_FILE, run_checked
 
 PARSERS = ("parse_log_pytest", "parse_log_pytest_options", "parse_log_pytest_v2")
 PYTHON_TEST_FILE = re.compile(r"(^|/)(test_[^/]*|[^/]*_test)\.py$")
@@ -205,14 +203,4 @@ def _heredoc(script: str) -> tuple[int, int] | None:
 
 
 def _run(sandbox, command: str, timeout: float, stdin: bytes | None = None) -> str:
-    try:
-        result = sandbox.run(command, timeout, stdin=stdin)
-    except SandboxError as error:
-        raise EnvironmentFault("grading_sandbox_failed", str(error)) from None
-    if result.returncode != 0 or result.timed_out:
-        raise EnvironmentFault(
-            "grading_sandbox_failed",
-            f"canary: {result.output.strip()[-300:]} (the grading sandbox needs git; env.swebench.tamper=off "
-            "grades without the canary)",
-        )
-    return result.output
+    return run_checked(sandbox, command, timeout, stdin, "canary", "git")

@@ -175,6 +175,22 @@ def runner_sections(name: str, text: str | None) -> dict | None:
         return None
 
 
+def run_checked(sandbox, command: str, timeout: float, stdin: bytes | None, who: str, needs: str) -> str:
+    """A grading helper's command in the grading sandbox; its failure is the serving layer's, naming what the image
+    must hold and the way to grade without the helper."""
+    try:
+        result = sandbox.run(command, timeout, stdin=stdin)
+    except SandboxError as error:
+        raise EnvironmentFault("grading_sandbox_failed", str(error)) from None
+    if result.returncode != 0 or result.timed_out:
+        raise EnvironmentFault(
+            "grading_sandbox_failed",
+            f"{who}: {result.output.strip()[-300:]} (it needs {needs} in the image; env.swebench.tamper=off grades "
+            f"without it)",
+        )
+    return result.output
+
+
 class TamperGuard:
     """Snapshot the guarded paths of a fresh grading sandbox, then find, restore and verify what a patch changed."""
 
@@ -191,17 +207,9 @@ class TamperGuard:
         self.allowed: set[str] = set()
 
     def _run(self, command: str, stdin: bytes | None = None) -> str:
-        try:
-            result = self.sandbox.run(command, self.timeout, stdin=stdin)
-        except SandboxError as error:
-            raise EnvironmentFault("grading_sandbox_failed", str(error)) from None
-        if result.returncode != 0 or result.timed_out:
-            raise EnvironmentFault(
-                "grading_sandbox_failed",
-                f"tamper guard: {result.output.strip()[-300:]} (it needs bash, GNU find, sort, comm, sed and tar in "
-                "the image; env.swebench.tamper=off grades without it)",
-            )
-        return result.output
+        return run_checked(
+            self.sandbox, command, self.timeout, stdin, "tamper guard", "bash, GNU find, sort, comm, sed and tar"
+        )
 
     def changed(self) -> list[str]:
         """The guarded paths the patch changed (relative to /testbed), less those it may change: the test patch's
