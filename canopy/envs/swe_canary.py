@@ -153,12 +153,9 @@ def plant(sandbox, instance: dict, timeout: float, rng: random.Random | None = N
         return None
     setup, git = f"cd /testbed && export GIT_INDEX_FILE={FOLDER}/canary.index", "git -c core.hooksPath=/dev/null"
     _run(sandbox, f"mkdir -p {FOLDER} && cat > {FOLDER}/test.patch", timeout, instance["test_patch"].encode())
-    listing = _run(
-        sandbox,
-        f"{setup} && {git} read-tree {instance['base_commit']} && {git} apply --cached {FOLDER}/test.patch && "
-        f"{git} ls-files -s -z -- {shlex.join(files)}",
-        timeout,
-    )
+    apply = f"{setup} && {git} read-tree {instance['base_commit']} && {git} apply --cached {FOLDER}/test.patch"
+    _run(sandbox, apply, timeout)  # its warnings (whitespace...) stay out of the listing
+    listing = _run(sandbox, f"{setup} && {git} ls-files -s -z -- {shlex.join(files)}", timeout)
     planted = []
     for record in filter(None, listing.split("\0")):
         meta, _, path = record.partition("\t")
