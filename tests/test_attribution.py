@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from canopy.envs.attribution import QUARANTINE_EVIDENCE, evidence_table, full_scratch, usage
+from canopy.envs.fault_injection import fill
 
 ROOT = Path(__file__).resolve().parents[1]
 RAISED = re.compile(
@@ -46,16 +47,6 @@ def small_filesystem(tmp_path):
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mount)], check=True)
     yield mount
     subprocess.run(["umount", "-l", str(mount)], check=True)
-
-
-def fill(path: Path) -> None:
-    """Write `path` until its filesystem has no room."""
-    with open(path, "wb", buffering=0) as file:
-        try:
-            while True:
-                file.write(b"x" * 4096)
-        except OSError:
-            pass
 
 
 def test_a_full_filesystem_is_another_tenants_only_when_the_policys_folders_hold_little_of_it(small_filesystem):

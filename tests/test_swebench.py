@@ -20,6 +20,7 @@ import yaml
 
 from canopy.datamodules.rollout import StepStats, same_task_groups
 from canopy.envs.base import EnvironmentFault, Task
+from canopy.envs.fault_injection import fill
 from canopy.envs.isolation import RuntimeSettings, SandboxError, build_runtime, safe_image_name
 from canopy.envs.isolation.base import CommandResult
 from canopy.envs.isolation.cgroups import cgroups_usable
@@ -318,15 +319,10 @@ def test_a_sandbox_filesystem_filled_by_another_tenant_is_quarantined_and_one_th
         env.runtime = BwrapRuntime(env.settings.runtime, scratch=scratch)
         instance = generated["instances"][0]
         episode = env.start(instance_task(instance), 0)
-        fill = "head -c 15M /dev/zero > /testbed/junk; echo done"
-        assert "done" in episode.step(bash(fill)).observation  # the agent's own: an observation
+        own = "head -c 15M /dev/zero > /testbed/junk; echo done"
+        assert "done" in episode.step(bash(own)).observation  # the agent's own: an observation
         episode.step(bash("rm /testbed/junk"))
-        with open(scratch / "tenant.bin", "wb", buffering=0) as tenant:
-            try:
-                while True:
-                    tenant.write(b"\0" * 65536)
-            except OSError:
-                pass
+        fill(scratch / "tenant.bin")  # another tenant's file, outside the sandboxes' folders
         with pytest.raises(EnvironmentFault) as fault:
             episode.step(bash("ls"))
         assert fault.value.reason == "scratch_full" and "another tenant filled it" in fault.value.detail
@@ -660,6 +656,7 @@ def test_bwrap_runs_rootless(generated):
             "canopy/errors.py",
             "canopy/envs/__init__.py",
             "canopy/envs/attribution.py",
+            "canopy/envs/base.py",
             *(str(path.relative_to(ROOT)) for path in sorted((ROOT / "canopy/envs/isolation").glob("*.py"))),
             "tests/rootless_probe.py",
         ):

@@ -67,7 +67,7 @@ from pathlib import Path
 
 import httpx
 
-from canopy.envs.attribution import full_scratch, policy_folders, scratch_root, usage
+from canopy.envs.attribution import policy_folders, scratch_fault, scratch_root, usage
 from canopy.envs.base import (
     AgentFailure,
     EnvironmentFault,
@@ -305,9 +305,9 @@ class AppWorldEpisode:
         so is a SIGKILL death, which the server's code cannot send (seccomp: `confined`), nor cause by memory (the
         worker's address-space cap turns its allocations into a MemoryError). Any other death (its own signal, an
         exit, a crash), a hang or a failed request is the agent's."""
-        evidence = full_scratch(self.server.home, lambda: policy_folders(appworld_scratch(), POLICY_FOLDERS))
-        if evidence is not None:
-            return EnvironmentFault("scratch_full", evidence)
+        full = scratch_fault(self.server.home, lambda: policy_folders(appworld_scratch(), POLICY_FOLDERS))
+        if full is not None:
+            return full
         status = self.server.process.returncode
         if fault.reason == "appworld_server_died" and status == -signal.SIGKILL:
             return EnvironmentFault(

@@ -17,6 +17,8 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+from canopy.envs.base import EnvironmentFault
+
 POOL_SCRATCH = "CANOPY_POOL_SCRATCH"  # set by the pool for its workers: the folder holding every worker's scratch
 FULL_BYTES = 4 << 20  # a filesystem with less free space than this (or FULL_INODES) is full: writes may fail
 FULL_INODES = 64
@@ -166,3 +168,9 @@ def full_scratch(path: Path, writable: Callable[[], list[Path]]) -> str | None:
         f"while the policy's {len(folders)} folders on it hold {own} bytes in {own_inodes} inodes: another tenant "
         "filled it"
     )
+
+
+def scratch_fault(path: Path, writable: Callable[[], list[Path]]) -> EnvironmentFault | None:
+    """`full_scratch`'s evidence as the fault that quarantines the episode, or None."""
+    evidence = full_scratch(path, writable)
+    return None if evidence is None else EnvironmentFault("scratch_full", evidence)

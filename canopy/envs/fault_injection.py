@@ -11,14 +11,13 @@ machine's, and that goes with the worker. The agent's own faults are not injecte
 scripted agent sends them as code. This module imports no torch, so replacement workers start fast.
 """
 
-import ctypes
 import os
 import signal
 
 from canopy.envs.base import Task
 from canopy.envs.python_tasks import PythonTaskEnvironment, PythonTaskEpisode
 from canopy.envs.sandbox import prepare_scratch
-from canopy.envs.sandbox_runner import CLONE_NEWNS, MS_PRIVATE, MS_REC, _check, _mount
+from canopy.envs.sandbox_runner import _mount, private_mount_namespace
 
 INFRA_FAULTS = ("kill9", "hang", "worker_oom", "worker_crash", "corruption", "environment_bug", "scratch_full")
 NEEDS_ROOT = ("scratch_full",)  # mounts a filesystem
@@ -45,8 +44,7 @@ class InjectedEpisode(PythonTaskEpisode):
 
     def on_tmpfs(self, size_mb: int) -> None:
         """Move this episode's folder onto a tmpfs of `size_mb` MiB of its own (see the module docstring)."""
-        _check(ctypes.CDLL(None, use_errno=True).unshare(CLONE_NEWNS), "unshare(CLONE_NEWNS)")
-        _mount(None, "/", None, MS_REC | MS_PRIVATE, None)  # nothing mounted here reaches the machine's namespace
+        private_mount_namespace()  # the worker's own: the tmpfs goes with it
         _mount("tmpfs", str(self.home), "tmpfs", 0, f"size={size_mb}m,mode=0711")
         (self.home / "identity").write_text(self.identity)
         prepare_scratch(self.scratch).chmod(0o700)

@@ -36,7 +36,7 @@ import stat
 import uuid
 from pathlib import Path
 
-from canopy.envs.attribution import full_scratch, policy_folders, scratch_root
+from canopy.envs.attribution import policy_folders, scratch_fault, scratch_root
 from canopy.envs.base import AgentFailure, EnvironmentFault, StepResult, Task, Verdict, extract_code
 from canopy.envs.isolation.base import remove_tree
 from canopy.envs.sandbox import SandboxLimits, prepare_scratch, run_sandboxed
@@ -108,9 +108,9 @@ class PythonTaskEpisode:
     def _check_scratch(self) -> None:
         """A scratch filesystem filled by another tenant (`attribution.full_scratch`) fails the agent's writes:
         the serving layer's fault."""
-        evidence = full_scratch(self.scratch, lambda: policy_folders(self.root, POLICY_FOLDERS))
-        if evidence is not None:
-            raise EnvironmentFault("scratch_full", evidence)
+        fault = scratch_fault(self.scratch, lambda: policy_folders(self.root, POLICY_FOLDERS))
+        if fault is not None:
+            raise fault
 
     def verdict(self) -> Verdict:
         self._check_identity()

@@ -147,11 +147,16 @@ def _mount(source, target: str, fstype, flags: int, options) -> None:
     _check(libc.mount(encode(source), encode(target), encode(fstype), flags, encode(options)), f"mount {target}")
 
 
+def private_mount_namespace() -> None:
+    """A mount namespace of this process's own: nothing it mounts reaches the parent's namespace."""
+    _check(libc.unshare(CLONE_NEWNS), "unshare(CLONE_NEWNS)")
+    _mount(None, "/", None, MS_REC | MS_PRIVATE, None)
+
+
 def hide(hidden: list[str], keep: list[str]) -> None:
     """In a mount namespace of our own, each `hidden` path becomes an empty read-only folder; `keep` paths beneath
     one are bound back in place. Shallower paths are hidden first, so a hidden path may lie inside a kept one."""
-    _check(libc.unshare(CLONE_NEWNS), "unshare(CLONE_NEWNS)")
-    _mount(None, "/", None, MS_REC | MS_PRIVATE, None)  # nothing we mount reaches the parent's namespace
+    private_mount_namespace()
     kept = {path: os.open(path, os.O_PATH | os.O_CLOEXEC) for path in keep}
     for path in sorted(hidden, key=lambda p: p.count("/")):
         _mount("tmpfs", path, "tmpfs", 0, "size=64k,mode=0755")

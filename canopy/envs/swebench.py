@@ -30,7 +30,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from canopy.envs.attribution import full_scratch
+from canopy.envs.attribution import scratch_fault
 from canopy.envs.base import EnvironmentFault, StepResult, Task, Verdict
 from canopy.envs.isolation import ImageMissing, RuntimeSettings, SandboxError, build_runtime
 from canopy.envs.swe_grading import grade
@@ -249,9 +249,9 @@ class SWEBenchEpisode:
         """A scratch filesystem filled by another tenant fails the policy's writes: the serving layer's fault
         (`canopy.envs.attribution.full_scratch`; bwrap's sandboxes only: a container's layer is the daemon's)."""
         runtime = self.env.runtime
-        evidence = full_scratch(runtime.scratch, runtime.writable_folders) if runtime.measures_writes else None
-        if evidence is not None:
-            raise EnvironmentFault("scratch_full", evidence)
+        fault = scratch_fault(runtime.scratch, runtime.writable_folders) if runtime.measures_writes else None
+        if fault is not None:
+            raise fault
 
     def verdict(self) -> Verdict:
         """Graded in a fresh sandbox, once this episode's own is gone (nothing it left running meets the grading)."""
