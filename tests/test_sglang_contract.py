@@ -28,10 +28,11 @@ from sglang_contract import (
 )
 from test_sglang_engine import config, engine_for, tiny_weights
 
-from canopy.rollout import sglang
+from canopy.rollout import http, sglang
 from canopy.rollout.engine import SamplingParams
+from canopy.rollout.http import fleet as http_fleet
+from canopy.rollout.http import routing as http_routing
 from canopy.rollout.sglang import SGLangSettings
-from canopy.rollout.sglang import routing as sglang_routing
 from canopy.rollout.sglang import servers as sglang_servers
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -165,7 +166,8 @@ def test_every_request_canopy_sends_is_served_by_the_release(sent):
     assert not failures, f"sglang {api.version}:\n" + "\n".join(map(str, failures))
     assert {call.status for call in sent} == {200, 500}  # the fakes answered every route (500: the scripted one)
     # the collection drove every route the engine's code names
-    sources = [ast.parse(path.read_text()) for path in Path(sglang.__file__).parent.glob("*.py")]
+    packages = [Path(sglang.__file__).parent, Path(http.__file__).parent]  # the backend and the core it runs on
+    sources = [ast.parse(path.read_text()) for package in packages for path in package.glob("*.py")]
     named = {
         n.value
         for source in sources
@@ -235,9 +237,9 @@ def test_the_fake_serves_exactly_the_routes_canopy_calls_as_the_release_does(sen
 def test_misspelt_routes_fields_flags_and_variables_are_reported(tiny_path, tmp_path, monkeypatch):
     """Mutations of what the engine sends, at its HTTP call and its launch command: the contract names each."""
     api = release()
-    request = sglang_servers.request
+    request = http_fleet.request
 
-    def misspelt(url, body, timeout, headers=None):
+    def misspelt(url, body, timeout, headers=None, method=None):
         url = url.replace("/update_weights_from_disk", "/update_weight_from_disk")
         if url.endswith("/model_info"):
             body = {}  # POST instead of GET
@@ -248,9 +250,9 @@ def test_misspelt_routes_fields_flags_and_variables_are_reported(tiny_path, tmp_
             body["weight_version"] = int(body["weight_version"])
         if body and "sampling_params" in body:
             body["sampling_params"]["no_stop_trimming"] = body["sampling_params"].pop("no_stop_trim")
-        return request(url, body, timeout, headers)
+        return request(url, body, timeout, headers, method)
 
-    for module in (sglang_servers, sglang_routing):  # each module that sends requests
+    for module in (http_fleet, http_routing):  # each module that sends requests
         monkeypatch.setattr(module, "request", misspelt)
     calls = canopy_requests(tiny_path, tmp_path, routes=None)  # fakes that answer anything: the contract must tell
     found = {(f.kind, f.where) for f in check_requests(api, [(c.method, c.path, c.body) for c in calls])}

@@ -23,8 +23,9 @@ from canopy.envs.embedded import EmbeddedEnvironment
 from canopy.errors import ConfigError
 from canopy.rollout.agent_loop import Budget, render_prompt, run_episodes
 from canopy.rollout.engine import EngineFault, SamplingParams
+from canopy.rollout.http.client import client_host
 from canopy.rollout.sglang import SGLangEngine, SGLangSettings, StaleSampleError, serving_dtype
-from canopy.rollout.sglang.servers import client_host, launch_command
+from canopy.rollout.sglang.servers import launch_command
 from canopy.rollout.sglang.weight_sync import GROUP_NAME, broadcast_from_trainer, init_custom_process_group
 from tests.fake_sglang import FakeSGLang
 
@@ -143,7 +144,7 @@ def test_samples_from_another_weight_version_are_refused(tiny_path, tmp_path, fa
         }
     }
     with pytest.raises(StaleSampleError):
-        engine.parse(reply)
+        engine.backend.parse(reply, engine.weight_version)
 
 
 def test_disk_sync_writes_a_loadable_checkpoint_and_drives_the_servers_in_order(tiny_path, tmp_path, fake):

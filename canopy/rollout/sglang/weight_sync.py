@@ -15,7 +15,7 @@ import torch
 from safetensors import safe_open
 
 from canopy.models.hf_checkpoint import write_hf_checkpoint
-from canopy.rollout.sglang.servers import Fleet
+from canopy.rollout.http.fleet import Fleet
 from canopy.rollout.sglang.settings import SGLangSettings, checkpoint_dtype
 
 GROUP_NAME = "canopy_weight_sync"

@@ -1,9 +1,10 @@
-"""Which server serves each /generate request, and its retries. Routing is sticky per episode: its first turn goes to
+"""Which server serves each generate request, and its retries. Routing is sticky per episode: its first turn goes to
 the healthy server with the fewest requests in flight, and its later turns follow, so its growing prefix stays in
-that server's cache. A server that fails a request (connection error, 5xx) is ejected and re-admitted once its
-/health answers; retries go to another server. With `router_url` the requests go to SGLang's model gateway instead,
-the episode id in its `X-SMG-Routing-Key` header (the gateway's manual or consistent-hashing policy keeps the episode
-on one server). A request still failing after `max_retries` retries comes back as an `EngineFault`."""
+that server's cache. A server that fails a request (connection error, 5xx) is ejected; the health watcher re-admits it
+once /health answers and it serves the fleet's weight version (re-synced first, when the backend's weight sync can
+bring one server up to date). Retries go to another server. With a gateway URL the requests go to the backend's
+gateway instead, the episode id in its routing header. A request still failing after `max_retries` retries comes back
+as an `EngineFault`."""
 
 import threading
 import time
@@ -11,15 +12,14 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable
 
 from canopy.rollout.engine import EngineFault, Generation
-from canopy.rollout.sglang.servers import TRANSIENT, Fleet, HTTPError, Server, request
-from canopy.rollout.sglang.settings import SGLangSettings
+from canopy.rollout.http.client import TRANSIENT, HTTPError, request
+from canopy.rollout.http.fleet import Fleet, Server
 
 ROUTES_KEPT = 1 << 16  # sticky routes remembered
-ROUTING_KEY_HEADER = "X-SMG-Routing-Key"  # the gateway's session key (its manual / consistent_hashing policies)
 
 
 class Aborted(Exception):
-    """The server aborted the request (finish_reason abort): worth another try."""
+    """The server aborted the request (a weight sync paused it): worth another try."""
 
 
 class StaleSampleError(RuntimeError):
@@ -27,38 +27,48 @@ class StaleSampleError(RuntimeError):
 
 
 class Router:
-    """Sends each /generate request of an episode to its server (or the gateway), ejecting and re-admitting servers."""
+    """Sends each generate request of an episode to its server (or the gateway), ejecting and re-admitting servers.
+    `resync(server)`, when given, brings a recovered server on other weights up to the fleet's version."""
 
-    def __init__(self, fleet: Fleet, settings: SGLangSettings, retry_backoff_s: float, health_interval_s: float):
-        self.fleet, self.settings = fleet, settings
-        self.retry_backoff_s, self.health_interval_s = retry_backoff_s, health_interval_s
+    def __init__(
+        self,
+        fleet: Fleet,
+        retry_backoff_s: float,
+        health_interval_s: float,
+        gateway_url: str | None = None,
+        resync: Callable[[Server], None] | None = None,
+    ):
+        self.fleet, self.settings, self.backend = fleet, fleet.settings, fleet.backend
+        self.retry_backoff_s, self.health_interval_s, self.resync = retry_backoff_s, health_interval_s, resync
         self.lock = threading.Lock()
-        # SGLang's model gateway, when given: the data plane (/generate), pinned per episode by its routing key
-        self.gateway = Server(settings.router_url.rstrip("/"), 0) if settings.router_url else None
+        # a gateway in front of the servers, when given: the data plane, pinned per episode by its routing key
+        self.gateway = Server(gateway_url.rstrip("/")) if gateway_url else None
         # episode key -> (its server, the server of its first turn): sticky routing, least recently used dropped first
         self.routes: OrderedDict[str, tuple[Server, Server]] = OrderedDict()
-        self.counts = Counter()  # turns, on_first_server, ejections, readmissions
+        self.counts = Counter()  # turns, on_first_server, ejections, readmissions, stale_refusals, resyncs
         self.watcher: threading.Thread | None = None
         self.closing = False
 
     def generate(self, body: dict, key: str | None, parse: Callable[[dict], Generation]) -> Generation | EngineFault:
-        """POST `body` to /generate on the episode's server and `parse` the reply, retrying an aborted, 5xx, timed-out
-        or refused request (on another server when there is one); a request the server rejects as invalid raises. A
-        sample from other weights is discarded and its server ejected (one restarted at the same address holds the
-        base weights until re-synced); if every try gets one, no server has the engine's weights and it raises."""
-        failed, error = None, None
+        """POST `body` to the episode's server and `parse` the reply, retrying an aborted, 5xx, timed-out or refused
+        request (on another server when there is one); a request the server rejects as invalid raises. A sample from
+        other weights is discarded and its server ejected (one restarted at the same address holds the base weights
+        until re-synced); if every try gets one, no server has the engine's weights and it raises."""
+        failed, error, name = None, None, self.backend.name
         for attempt in range(self.settings.max_retries + 1):
             if attempt:
                 time.sleep(self.retry_backoff_s * attempt)
             server = self._acquire(avoid=failed, key=key)
-            headers = {ROUTING_KEY_HEADER: key} if server is self.gateway and key is not None else None
+            header = self.backend.routing_header
+            headers = {header: key} if server is self.gateway and key is not None and header else None
             try:
-                return parse(request(server.url + "/generate", body, self.settings.request_timeout_s, headers))
+                url = server.url + self.backend.generate_path
+                return parse(request(url, body, self.settings.request_timeout_s, headers))
             except HTTPError as e:
                 if e.status < 500 and e.status not in (408, 429):
                     raise RuntimeError(
-                        f"SGLang {server.url} rejected a /generate request: {e}; "
-                        "check the budget against the server's --context-length"
+                        f"{name} {server.url} rejected a {self.backend.generate_path} request: {e}; "
+                        "check the budget against the server's context length"
                     ) from None
                 failed, error = server, e
                 if e.status >= 500:
@@ -88,7 +98,7 @@ class Router:
         """The episode's server (`key`), sticky from its first turn so that its prefix stays in that server's cache;
         on a first turn, or when its server is ejected or just failed (`avoid`), the healthy server with the fewest
         requests in flight, which the episode then keeps. Ejected servers take requests only when none is healthy.
-        With a gateway (`router_url`) every request goes to it, and it keeps the episode on one server."""
+        With a gateway every request goes to it, and it keeps the episode on one server."""
         with self.lock:
             if self.gateway is not None:
                 self.gateway.outstanding += 1
@@ -119,7 +129,7 @@ class Router:
             server.ejected = True
             self.counts["ejections"] += 1
             if self.watcher is None or not self.watcher.is_alive():
-                self.watcher = threading.Thread(target=self._watch_ejected, name="sglang-health", daemon=True)
+                self.watcher = threading.Thread(target=self._watch_ejected, name="engine-health", daemon=True)
                 self.watcher.start()
 
     def _watch_ejected(self) -> None:
@@ -130,16 +140,29 @@ class Router:
                 return
             time.sleep(self.health_interval_s)
             for server in ejected:
-                try:  # healthy, and serving the fleet's weights (a restarted server holds others until re-synced)
-                    request(server.url + "/health", None, timeout=5)
-                    info = request(server.url + "/model_info", None, timeout=5)
-                except (HTTPError, *TRANSIENT):
-                    continue
-                if str(info.get("weight_version")) != str(self.fleet.weight_version):
-                    continue
-                with self.lock:
-                    server.ejected = False
-                    self.counts["readmissions"] += 1
+                if self._serves_fleet_weights(server):
+                    with self.lock:
+                        server.ejected = False
+                        self.counts["readmissions"] += 1
+
+    def _serves_fleet_weights(self, server: Server) -> bool:
+        """Healthy, and serving the fleet's weights: a restarted server holds others, and is refused until re-synced
+        (by `resync`, when there is one)."""
+        try:
+            request(server.url + "/health", None, timeout=5)
+            if self.fleet.served_version(server, timeout=5) == str(self.fleet.weight_version):
+                return True
+        except (HTTPError, *TRANSIENT):
+            return False
+        self.counts["stale_refusals"] += 1
+        if self.resync is None:
+            return False
+        try:
+            self.resync(server)
+        except (RuntimeError, HTTPError, *TRANSIENT):
+            return False
+        self.counts["resyncs"] += 1
+        return True
 
     def _release(self, server: Server) -> None:
         with self.lock:
