@@ -18,6 +18,7 @@ from canopy.modules.canopy_module import CanopyModule
 from canopy.rollout.agent_loop import Budget, ChatTokenizer
 from canopy.rollout.engine import EngineHandle, LocalEngine, SamplingParams
 from canopy.rollout.sglang import SGLangEngine, SGLangSettings, serving_dtype
+from canopy.rollout.vllm import VLLMEngine, VLLMSettings
 from canopy.tools.tiny_model import build_tiny_checkpoint
 from canopy.trajectories import TrajectoryLog, sampling_of
 
@@ -78,7 +79,17 @@ def build_engine(cfg: DictConfig, model_path: str, tokenizer):
             rope_scaling=rope_scaling,
             seed=cfg.seed,
         )
-    raise ConfigError(f"engine.name={cfg.engine.name!r} is unknown: use engine.name=local or engine.name=sglang")
+    if cfg.engine.name == "vllm":
+        settings = VLLMSettings(**OmegaConf.to_container(cfg.engine.vllm, resolve=True))
+        return VLLMEngine(
+            model_path,
+            stop,
+            settings,
+            context_length=cfg.budget.max_context_tokens,
+            rope_scaling=rope_scaling,
+            seed=cfg.seed,
+        )
+    raise ConfigError(f"engine.name={cfg.engine.name!r} is unknown: use engine.name=local, sglang or vllm")
 
 
 def build_tokenizer(cfg: DictConfig, model_path: str) -> ChatTokenizer:
@@ -100,6 +111,8 @@ def engine_dtype(cfg: DictConfig, model_path: str) -> str:
     """The dtype the engine will compute in, known before (and without) building it."""
     if cfg.engine.name == "sglang":
         return serving_dtype(cfg.engine.sglang.extra_args, model_path)
+    if cfg.engine.name == "vllm":
+        return cfg.engine.vllm.dtype
     return cfg.engine.dtype
 
 

