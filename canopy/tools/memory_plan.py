@@ -19,7 +19,17 @@ from omegaconf import DictConfig, OmegaConf
 
 from canopy.config import compose_config
 from canopy.errors import ConfigError
-from canopy.memory import GIB, GPUS, Plan, TrainerLayout, model_shape, read_model_config, sglang_plan, trainer_plan
+from canopy.memory import (
+    GIB,
+    GPUS,
+    Plan,
+    TrainerLayout,
+    gpu_servers,
+    model_shape,
+    read_model_config,
+    sglang_plan,
+    trainer_plan,
+)
 
 
 def plans(cfg: DictConfig) -> tuple[Plan, dict[str, Plan | None], str]:
@@ -31,13 +41,14 @@ def plans(cfg: DictConfig) -> tuple[Plan, dict[str, Plan | None], str]:
     source = f"{path}/config.json" if path else f"canopy/model_configs/{cfg.model.name}.json"
     what = f"{shape.params / 1e9:.2f} B parameters ({source})"
     servers: dict[str, Plan | None] = dict.fromkeys(GPUS)
-    if cfg.engine.name == "sglang":
-        s = cfg.engine.sglang
+    served = gpu_servers(cfg)
+    if served is not None:
+        s = served.settings
         count = len(s.urls) or s.num_servers
         per_server = math.ceil(s.concurrency / count)
         context = cfg.budget.max_context_tokens
         for gpu, gib in GPUS.items():
-            servers[gpu] = sglang_plan(shape, s.tp_size, s.mem_fraction, context, gib, per_server)
+            servers[gpu] = sglang_plan(shape, s.tp_size, served.fraction, context, gib, per_server)
     return trainer, servers, what
 
 
@@ -88,7 +99,7 @@ def render(cfg: DictConfig, markdown: bool = False) -> str:
         weights, kv = server.term("weights").bytes / GIB, server.term("kv cache").bytes / GIB
         lines.append(
             ("- " if markdown else "  ")
-            + f"SGLang server on {gpu}: weights {weights:.1f} GiB, KV cache {kv:.1f} GiB: {server.note}"
+            + f"{gpu_servers(cfg).name} server on {gpu}: weights {weights:.1f} GiB, KV cache {kv:.1f} GiB: {server.note}"
         )
     return "\n".join(lines)
 
