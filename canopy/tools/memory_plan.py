@@ -99,7 +99,8 @@ def render(cfg: DictConfig, markdown: bool = False) -> str:
         weights, kv = server.term("weights").bytes / GIB, server.term("kv cache").bytes / GIB
         lines.append(
             ("- " if markdown else "  ")
-            + f"{gpu_servers(cfg).name} server on {gpu}: weights {weights:.1f} GiB, KV cache {kv:.1f} GiB: {server.note}"
+            + f"{gpu_servers(cfg).name} server on {gpu}: weights {weights:.1f} GiB, KV cache {kv:.1f} GiB: "
+            + server.note
         )
     return "\n".join(lines)
 
