@@ -104,6 +104,7 @@ def test_schema_defaults_are_written_once():
         "parallelism",
         "algorithm.rollout_correction",
         "engine.sglang",
+        "engine.vllm",
     }
     copies = []
     for path in [CONF / "train.yaml", *sorted(CONF.glob("env/*.yaml")), *sorted(CONF.glob("engine/*.yaml"))]:
