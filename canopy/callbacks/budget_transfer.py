@@ -52,10 +52,10 @@ class BudgetTransferEval(L.Callback):
     `sampling`, as Hydra composes them (`budget@eval.enlarged=<conf/budget name>`).
     It evaluates with the run's own engine, lent by the data module, and never builds one: `engine.at_budget`
     gives the engine for each budget (the local engine: itself, or an in-process sibling with YaRN), sampling
-    with the run's seed without moving the training sampler. SGLang servers launched for the training budget
+    with the run's seed without moving the training sampler. Servers (SGLang, vLLM) launched for the training budget
     cannot serve the enlarged one (YaRN, a longer context): that evaluation waits for the end of training,
     where the engine relaunches its servers at the enlarged budget on the same ports and GPUs, pushes the final
-    weights, evaluates, and relaunches them as they were. Attached servers (`engine.sglang.urls`) are never
+    weights, evaluates, and relaunches them as they were. Attached servers (`engine.<backend>.urls`) are never
     relaunched: the enlarged evaluation is then left to `evaluate.py` on servers launched for it.
     """
 

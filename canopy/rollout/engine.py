@@ -1,5 +1,5 @@
 """Inference engines. `Engine` is the contract a run relies on; `LocalEngine` generates in-process (CPU, the
-embedded default) with the same contract as the SGLang servers (`canopy.rollout.sglang`): token ids in,
+embedded default) with the same contract as the HTTP server engines (`canopy.rollout.sglang`, `.vllm`): token ids in,
 token ids + logprobs out, each sample stamped with the weight version, weights pushed as an HF-format state
 dict after every optimizer step. A run builds its engine once and lends it out: to the data module for
 rollouts, and to evaluators, which ask it for the budget they evaluate at (`at_budget`) instead of building
