@@ -55,6 +55,9 @@ def build_env(cfg: DictConfig, log_dir: str | Path | None = None):
     return build_environment(factory, kwargs)
 
 
+SERVER_ENGINES = {"sglang": (SGLangEngine, SGLangSettings), "vllm": (VLLMEngine, VLLMSettings)}
+
+
 def build_engine(cfg: DictConfig, model_path: str, tokenizer):
     stop = [tokenizer.convert_tokens_to_ids(token) for token in get_family(cfg.model.family).chat.stop]
     rope_scaling = cfg.budget.rope_scaling and OmegaConf.to_container(cfg.budget.rope_scaling)
@@ -69,22 +72,12 @@ def build_engine(cfg: DictConfig, model_path: str, tokenizer):
             device=cfg.engine.device,
             session_tokens=cfg.engine.session_tokens,
         )
-    if cfg.engine.name == "sglang":
-        settings = SGLangSettings(**OmegaConf.to_container(cfg.engine.sglang, resolve=True))
-        return SGLangEngine(
+    if cfg.engine.name in SERVER_ENGINES:  # HTTP servers: their settings are engine.<name>.*
+        engine, settings = SERVER_ENGINES[cfg.engine.name]
+        return engine(
             model_path,
             stop,
-            settings,
-            context_length=cfg.budget.max_context_tokens,
-            rope_scaling=rope_scaling,
-            seed=cfg.seed,
-        )
-    if cfg.engine.name == "vllm":
-        settings = VLLMSettings(**OmegaConf.to_container(cfg.engine.vllm, resolve=True))
-        return VLLMEngine(
-            model_path,
-            stop,
-            settings,
+            settings(**OmegaConf.to_container(cfg.engine[cfg.engine.name], resolve=True)),
             context_length=cfg.budget.max_context_tokens,
             rope_scaling=rope_scaling,
             seed=cfg.seed,

@@ -7,7 +7,8 @@ import json
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import NamedTuple
+
+from fake_http import FakeServer
 
 # (method, path) of every route Canopy calls; anything else is answered as FastAPI would: 404 for an unknown path,
 # 405 for a known path under another method
@@ -28,81 +29,20 @@ ROUTES = frozenset(
 )
 
 
-class Call(NamedTuple):
-    """One request as the fake saw it (path and body first: tests index them), with its answer."""
-
-    path: str
-    body: dict | None
-    method: str
-    status: int | None = None
-    reply: dict | None = None
-
-
-class FakeSGLang:
+class FakeSGLang(FakeServer):
     """Records every request as a `Call`; /generate replies `reply_ids` (cut at max_new_tokens) stamped with the
     version the last weight update set, after `delay` seconds (or `delay(body)`). `failures` scripts the next
     /generate replies: abort, 500, 400 or drop. `routes` is the route table (None: answer any method and path)."""
 
     def __init__(self, reply_ids=(7, 8, 2), delay=0.0, port=0, routes=ROUTES):
-        self.reply_ids, self.delay, self.routes = list(reply_ids), delay, routes
-        self.calls: list[Call] = []
+        super().__init__(port, routes)
+        self.reply_ids, self.delay = list(reply_ids), delay
         self.failures: list[str] = []
         self.fail_prefix: list[int] | None = None  # /generate of prompts starting with these ids answers 500
         self.version, self.report_version = "default", None
-        self.lock = threading.Lock()
-        fake = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args):
-                pass
-
-            def do_GET(self):
-                fake.handle(self, "GET")
-
-            def do_POST(self):
-                fake.handle(self, "POST")
-
-            def do_PUT(self):
-                fake.handle(self, "PUT")
-
-            def do_DELETE(self):
-                fake.handle(self, "DELETE")
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", port), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-
-    def stop(self):
-        self.httpd.shutdown()
-        self.httpd.server_close()
-
-    def paths(self, since=0):
-        return [call.path for call in self.calls[since:]]
-
-    def bodies(self, path):
-        return [call.body for call in self.calls if call.path == path]
-
-    def handle(self, request, method):
-        path = request.path
-        data = request.rfile.read(int(request.headers.get("Content-Length") or 0))
-        body = json.loads(data) if data else None
-        with self.lock:
-            index = len(self.calls)
-            self.calls.append(Call(path, body, method))
-        answer = self.answer(request, method, path, body)
-        if answer is None:  # dropped
-            return
-        status, payload = answer
-        with self.lock:
-            self.calls[index] = self.calls[index]._replace(status=status, reply=payload)
-        self.reply(request, payload, status)
 
     def answer(self, request, method, path, body):
         """(status, JSON reply) to one request, or None to drop the connection."""
-        if self.routes is not None and (method, path) not in self.routes:
-            if any(known == path for _, known in self.routes):
-                return 405, {"detail": "Method Not Allowed"}
-            return 404, {"detail": "Not Found"}
         if path == "/generate":
             with self.lock:
                 failure = self.failures.pop(0) if self.failures else None
@@ -134,15 +74,6 @@ class FakeSGLang:
             "output_token_logprobs": [[-(k + 1) / 4, t, None] for k, t in enumerate(ids)],
         }
         return {"text": "", "output_ids": ids, "meta_info": meta}
-
-    @staticmethod
-    def reply(request, payload, status=200):
-        data = json.dumps(payload).encode()
-        request.send_response(status)
-        request.send_header("Content-Type", "application/json")
-        request.send_header("Content-Length", str(len(data)))
-        request.end_headers()
-        request.wfile.write(data)
 
 
 class FakeGateway:

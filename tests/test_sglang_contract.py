@@ -48,7 +48,7 @@ def release():
 
 
 def canopy_requests(tiny_path, work: Path, routes=ROUTES) -> list:
-    """Every request SGLangEngine sends to its servers (`fake_sglang.Call`s), driven through each of its paths
+    """Every request SGLangEngine sends to its servers (`fake_http.Call`s), driven through each of its paths
     against two fakes with this route table: attach (health, reset to the base weights, version check), generation
     at the sampling Canopy uses, a failing server ejected and re-admitted (/health), disk weight sync, and two
     distributed weight syncs (the group is formed once; its process group and broadcasts stubbed: no NCCL here)."""

@@ -5,8 +5,10 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 
-from tests.fake_sglang import FakeSGLang
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/: the fakes import each other from there
+from fake_sglang import FakeSGLang  # noqa: E402
 
 args = sys.argv[1:]
 flags = dict(zip(args[::2], args[1::2]))
