@@ -13,6 +13,15 @@ from transformers import AutoTokenizer  # noqa: E402
 from canopy.modules.canopy_module import silence_benign_warnings
 from canopy.tools.tiny_model import build_tiny_checkpoint
 
+# The longest files of `make test` (its --durations), started first: pytest-xdist (--dist loadfile) hands out files in
+# collection order, and one of these collected last keeps a worker busy minutes after the other has finished.
+LONGEST_FIRST = ("test_vllm_server.py", "test_swe_attacks.py", "test_paper_checks.py", "test_gpu_check.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: every file keeps its own order
+
 
 @pytest.fixture(autouse=True)
 def benign_warnings_silenced():
