@@ -13,10 +13,11 @@ import time
 import pytest
 import torch
 from safetensors.torch import load_file
+from test_rollout_routing import CountdownEnvironment, CountdownEpisode
 from transformers import AutoTokenizer
 from vllm_servers import STOPS, build_servable_tiny, free_base_port, metric, reference_logprobs, vllm_python
 
-from canopy.envs.base import StepResult, Task, Verdict
+from canopy.envs.base import Task
 from canopy.rollout.agent_loop import Budget, run_episodes
 from canopy.rollout.engine import SamplingParams
 from canopy.rollout.http.client import request
@@ -31,33 +32,19 @@ BUDGET = Budget(max_turns=6, max_response_tokens=200, max_prompt_tokens=256, max
 TRAINING = SamplingParams(temperature=0.7)
 
 
-class WordsEpisode:
+class WordsEpisode(CountdownEpisode):
     """Opens with a task of 40 random vocabulary words (its own prefix), lasts `turns` turns."""
-
-    def __init__(self, task: Task):
-        self.task, self.left = task, task.spec["turns"]
 
     def messages(self):
         words = random.Random(self.task.task_id).choices(VOCABULARY, k=40)
         return [{"role": "user", "content": " ".join(words)}]
 
-    def step(self, action_text):
-        self.left -= 1
-        return StepResult("ok", done=self.left == 0)
 
-    def verdict(self):
-        return Verdict(1, 1)
-
-    def close(self):
-        pass
-
-
-class WordsEnvironment:
+class WordsEnvironment(CountdownEnvironment):
     name = "words"
-    max_concurrent_episodes = 16  # as a pool: each episode in its own thread
 
     def start(self, task, seed):
-        return WordsEpisode(task)
+        return WordsEpisode(task, self.step_s)
 
 
 def jobs(count: int, turns: int, tag: str = "e") -> list[tuple[Task, int]]:

@@ -93,3 +93,10 @@ def complete_update(
         raise RuntimeError(
             f"weight update to version {version} missed {sorted(missing)[:3]}: engine weights would be mixed"
         )
+
+
+def remove_other_versions(sync_dir: Path, version: int) -> None:
+    """Delete the weight folders `<sync_dir>/v<n>` of every version but `version` (the servers now serve it)."""
+    for old in Path(sync_dir).glob("v*"):
+        if old.is_dir() and old.name != f"v{version}":
+            shutil.rmtree(old)

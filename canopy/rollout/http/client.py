@@ -3,6 +3,7 @@
 import http.client
 import json
 import urllib.error
+import urllib.parse
 import urllib.request
 
 TRANSIENT = (OSError, http.client.HTTPException, json.JSONDecodeError)  # connection refused / reset, timeouts, garbled
@@ -32,3 +33,9 @@ def request(url: str, body: dict | None, timeout: float, headers: dict | None = 
 def client_host(bind: str) -> str:
     """Where this process reaches a server it launched bound to `bind` (a wildcard bind answers on loopback)."""
     return "127.0.0.1" if bind in ("0.0.0.0", "::", "") else bind
+
+
+def is_loopback(url: str) -> bool:
+    """Whether `url`'s host is this machine only (localhost, 127.0.0.0/8, ::1)."""
+    host = urllib.parse.urlsplit(url).hostname or ""
+    return host == "localhost" or host.startswith("127.") or host == "::1"

@@ -85,29 +85,32 @@ class Fleet:
         self.launch_settings = (context_length, rope_scaling, seed)
         if s.urls:
             self.servers = [Server(url.rstrip("/"), self.tp_size) for url in s.urls]
-        for i in range(0 if s.urls else s.num_servers):
-            self.servers.append(self._launch(i, context_length, rope_scaling, seed))
-        self._wait_all()
-        self.backend.start_version(self)
-        self.verify_version(0)
+        self.servers += [self._launch(i) for i in range(0 if s.urls else s.num_servers)]
+        self._ready_at_base_weights()
 
     def relaunch(self, context_length: int | None, rope_scaling: dict | None, seed: int) -> None:
         """Stop the launched servers and launch as many on the same ports and GPUs, from the base weights."""
         self.stop()
         self.launch_settings = (context_length, rope_scaling, seed)
-        self.servers = [self._launch(i, context_length, rope_scaling, seed) for i in range(len(self.servers))]
-        self._wait_all()
+        self.servers = [self._launch(i) for i in range(len(self.servers))]
+        self._ready_at_base_weights()
+
+    def _ready_at_base_weights(self) -> None:
+        """Every server waited for, brought to the base weights at version 0, and checked to report it."""
+        with ThreadPoolExecutor(len(self.servers)) as waits:
+            list(waits.map(self.wait_ready, self.servers))
         self.backend.start_version(self)
         self.verify_version(0)
 
-    def _launch(self, index: int, context_length: int | None, rope_scaling: dict | None, seed: int) -> Server:
+    def _launch(self, index: int) -> Server:
+        """The `index`-th server, launched with the fleet's launch settings (context, RoPE scaling, seed)."""
         b, s = self.backend, self.settings
         if not s.python:
             raise ValueError(
                 f"{b.key}.python is not set: point it at the {b.name} venv's python, or attach to running servers "
                 f"with {b.key}.urls"
             )
-        argv, env = b.launch_command(index, context_length, rope_scaling, seed)
+        argv, env = b.launch_command(index, *self.launch_settings)
         port = s.base_port + index
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log = self.log_dir / f"server_{port}.log"
@@ -126,17 +129,13 @@ class Fleet:
             os.killpg(server.process.pid, signal.SIGKILL)  # what is left of its group (engine, workers)
         if server.log is not None and server.log.exists():  # the dead server's log is kept beside the new one's
             server.log.rename(server.log.with_suffix(f".exit{server.process.returncode}-{time.time():.0f}.log"))
-        fresh = self._launch(server.index, *self.launch_settings)
+        fresh = self._launch(server.index)
         server.process, server.log = fresh.process, fresh.log
         try:
             self.wait_ready(server)
         except RuntimeError:
             return False
         return True
-
-    def _wait_all(self) -> None:
-        with ThreadPoolExecutor(len(self.servers)) as waits:
-            list(waits.map(self.wait_ready, self.servers))
 
     def wait_ready(self, server: Server) -> None:
         """Poll the backend's ready route until it answers 200; a dead process or the timeout raises."""

@@ -1,7 +1,6 @@
 """`engine.sglang.*`: the SGLang engine's settings, each checked before anything starts, and the dtype its servers
 compute in (known without launching them)."""
 
-import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -9,6 +8,7 @@ import torch
 
 from canopy.errors import is_int, require
 from canopy.models.hf_checkpoint import checkpoint_dtype
+from canopy.rollout.http.client import is_loopback
 
 
 @dataclass
@@ -112,12 +112,6 @@ class SGLangSettings:
 
 def gpu_names(gpus: range) -> str:
     return f"GPU {gpus.start}" if len(gpus) == 1 else f"GPUs {gpus.start}-{gpus.stop - 1}"
-
-
-def is_loopback(url: str) -> bool:
-    """Whether `url`'s host is this machine only (localhost, 127.0.0.0/8, ::1)."""
-    host = urllib.parse.urlsplit(url).hostname or ""
-    return host == "localhost" or host.startswith("127.") or host == "::1"
 
 
 def serving_dtype(extra_args: list[str], model_path: str | Path) -> str:

@@ -5,7 +5,6 @@
   pause -> begin_weight_update -> update_weights_from_distributed per bucket while broadcasting it -> end -> continue.
 """
 
-import shutil
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
@@ -17,6 +16,7 @@ from canopy.models.hf_checkpoint import (
     checkpoint_dtype,
     checkpoint_weight_names,
     complete_update,
+    remove_other_versions,
     write_hf_checkpoint,
 )
 from canopy.rollout.http.fleet import Fleet
@@ -91,9 +91,7 @@ class WeightSync:
             self._sync_distributed(complete_update(named_tensors, self.weight_names, version), version)
         self.fleet.verify_version(version)
         if self.settings.weight_sync == "disk":
-            for old in self.sync_dir.glob("v*"):
-                if old.is_dir() and old.name != f"v{version}":
-                    shutil.rmtree(old)
+            remove_other_versions(self.sync_dir, version)
 
     def _sync_distributed(self, named_tensors: Iterator[tuple[str, torch.Tensor]], version: int) -> None:
         if self.group is None:

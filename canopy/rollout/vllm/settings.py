@@ -1,9 +1,9 @@
 """`engine.vllm.*`: the vLLM engine's settings, each checked before anything starts."""
 
-import urllib.parse
 from dataclasses import dataclass, field
 
 from canopy.errors import is_int, require
+from canopy.rollout.http.client import is_loopback
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -94,7 +94,7 @@ class VLLMSettings:
             is_int(self.max_retries) and self.max_retries >= 0,
             f"engine.vllm.max_retries={self.max_retries} must be >= 0",
         )
-        remote = [u for u in urls if urllib.parse.urlsplit(u).hostname not in ("localhost", "127.0.0.1", "::1")]
+        remote = [u for u in urls if not is_loopback(u)]
         require(
             not remote or not self.sync_dir.startswith("."),
             f"engine.vllm.sync_dir={self.sync_dir} is relative, but the servers {remote} run elsewhere and read the "

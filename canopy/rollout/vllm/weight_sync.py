@@ -4,15 +4,19 @@ aborted, caches cleared) -> /collective_rpc reload_weights from that directory -
 old weights is reused) -> /update_weight_version -> /resume. Each server must then report the new version. A server
 that fails its update is ejected and re-synced from the same directory when it answers again (`resync`)."""
 
-import shutil
-import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
-from canopy.models.hf_checkpoint import checkpoint_dtype, checkpoint_weight_names, complete_update, write_hf_checkpoint
+from canopy.models.hf_checkpoint import (
+    checkpoint_dtype,
+    checkpoint_weight_names,
+    complete_update,
+    remove_other_versions,
+    write_hf_checkpoint,
+)
 from canopy.rollout.http.fleet import Fleet, Server
 
 
@@ -21,20 +25,13 @@ class DiskWeightSync:
     failed its update out of routing."""
 
     def __init__(self, fleet: Fleet, model_path: Path, sync_dir: Path, shard_bytes: int, eject: Callable):
-        self.fleet, self.model_path, self.sync_dir, self.shard_bytes, self.eject = (
-            fleet,
-            model_path,
-            sync_dir,
-            shard_bytes,
-            eject,
-        )
+        self.fleet, self.model_path, self.sync_dir = fleet, model_path, sync_dir
+        self.shard_bytes, self.eject = shard_bytes, eject
         self.weight_names = checkpoint_weight_names(model_path)
         self.sync_dtype = checkpoint_dtype(model_path)
-        self.seconds: list[float] = []  # the wall time of each update, write and push (the bench reads it)
 
     def update(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Write `version`, push it to every live server; those that fail are ejected, and if none takes it, raise."""
-        started = time.perf_counter()
         path = write_hf_checkpoint(
             complete_update(named_tensors, self.weight_names, version),
             self.model_path,
@@ -56,10 +53,7 @@ class DiskWeightSync:
             if error is not None:
                 self.eject(server)
         self.fleet.verify_version(version, servers=took)
-        for old in self.sync_dir.glob("v*"):
-            if old.is_dir() and old.name != f"v{version}":
-                shutil.rmtree(old)
-        self.seconds.append(time.perf_counter() - started)
+        remove_other_versions(self.sync_dir, version)
 
     def resync(self, server: Server, version: int) -> None:
         """Bring one server (back, on other weights) to `version`, from the directory the last update wrote."""
