@@ -17,9 +17,13 @@ bundle first and then runs this.
                     (scripts/gpu_check_parallel.py): 2+ GPUs and torch >= 2.13
   sglang        an SGLang server against HF, disk and distributed weight sync (scripts/gpu_check_sglang.py): the
                     SGLang venv's python in CANOPY_SGLANG_PYTHON (`make sglang`)
-A part that cannot run where it is (one GPU, torch 2.11, no SGLang venv) is skipped with the reason. On a GPU node
-of one's own (the project's venv, 8 GPUs, SGLang) the same command runs every part:
-    PY=.venv/bin/python CANOPY_SGLANG_PYTHON=.venv-sglang/bin/python bash scripts/device_check.sh
+  vllm          a bf16 vLLM server against HF (the gap), weights by vLLM's NCCL transfer on 2+ GPUs, else by disk
+                    (scripts/gpu_check_vllm.py): a CUDA vLLM venv's python in CANOPY_VLLM_PYTHON
+A part that cannot run where it is (one GPU, torch 2.11, no SGLang or vLLM venv: neither wheel fits the lent
+machine's 64 MiB bundle) is skipped with the reason. On a GPU node of one's own (the project's venv, 8 GPUs, SGLang,
+vLLM) the same command runs every part:
+    PY=.venv/bin/python CANOPY_SGLANG_PYTHON=.venv-sglang/bin/python CANOPY_VLLM_PYTHON=.venv-vllm-cuda/bin/python \
+        bash scripts/device_check.sh
 
     bash scripts/device_check.sh                 # on the device (its python: /opt/torch/.venv/bin/python)
     bash scripts/device_check.sh --cpu-dry-run   # every part tiny on the CPU (tests/test_device_check.py)
@@ -73,6 +77,11 @@ PARTS = {
         240, [["scripts/gpu_check_parallel.py", "--family", "qwen3_5", "--timeout", "110"]], gpus=2, multiprocess=True
     ),
     "sglang": Part(300, [["scripts/gpu_check_sglang.py", "--timeout", "280"]], python="CANOPY_SGLANG_PYTHON"),
+    "vllm": Part(300, [["scripts/gpu_check_vllm.py", "--timeout", "280"]], python="CANOPY_VLLM_PYTHON"),
+}
+SERVER_VENVS = {  # a part's python -> what it is, for the skip reason
+    "CANOPY_SGLANG_PYTHON": ("SGLang", "the SGLang venv's python: `make sglang`"),
+    "CANOPY_VLLM_PYTHON": ("vLLM's CUDA build", "a venv with vLLM's CUDA build: Makefile, `make vllm`'s note"),
 }
 
 
@@ -91,9 +100,9 @@ def skip_reason(name: str, gpus: int, dry_run: bool = False) -> str | None:
     if part.multiprocess and torch_version() < MULTIPROCESS_TORCH:
         return "skipped: torch < 2.13 (TorchTitan 0.3.0's FSDP; canopy/compat.py)"
     if part.python and dry_run:
-        return "skipped: no CPU dry run (SGLang serves on GPUs only)"
+        return f"skipped: no CPU dry run ({SERVER_VENVS[part.python][0]} serves on GPUs only)"
     if part.python and not os.environ.get(part.python):
-        return f"skipped: {part.python} is not set (the SGLang venv's python: `make sglang`)"
+        return f"skipped: {part.python} is not set ({SERVER_VENVS[part.python][1]})"
     return None
 
 

@@ -32,7 +32,7 @@ def test_the_device_command_dry_run_passes_every_part_in_at_most_8_files(tmp_pat
     assert set(parts) == set(device_check.PARTS)
     skipped = {"status": "skipped", "reason": "skipped: no GPU (TP, CP and HSDP need 2+)"}
     assert parts["parallel"] == parts["parallel_qwen3_5"] == skipped
-    assert parts["sglang"]["status"] == "skipped"
+    assert parts["sglang"]["status"] == parts["vllm"]["status"] == "skipped"
     ran = {name: part["status"] for name, part in parts.items() if part["status"] != "skipped"}
     assert ran == dict.fromkeys(["kernels", "train_step", "logprob_head", "engine_gap", "embedded"], "pass"), parts
 
@@ -88,12 +88,17 @@ def test_a_failing_part_and_a_hung_one_are_reported_and_their_children_killed(tm
 
 def test_parts_that_cannot_run_here_are_skipped_with_the_reason(monkeypatch):
     monkeypatch.delenv("CANOPY_SGLANG_PYTHON", raising=False)
+    monkeypatch.delenv("CANOPY_VLLM_PYTHON", raising=False)
     assert device_check.skip_reason("parallel", 1) == "skipped: one GPU (TP, CP and HSDP need 2+)"
     assert device_check.skip_reason("parallel", 8) is None
     assert "CANOPY_SGLANG_PYTHON is not set" in device_check.skip_reason("sglang", 8)
     monkeypatch.setenv("CANOPY_SGLANG_PYTHON", "/opt/sglang/bin/python")
     assert device_check.skip_reason("sglang", 1) is None
     assert "no CPU dry run" in device_check.skip_reason("sglang", 0, dry_run=True)
+    assert "CANOPY_VLLM_PYTHON is not set (a venv with vLLM's CUDA build" in device_check.skip_reason("vllm", 8)
+    monkeypatch.setenv("CANOPY_VLLM_PYTHON", "/opt/vllm/bin/python")
+    assert device_check.skip_reason("vllm", 1) is None
+    assert "vLLM's CUDA build serves on GPUs only" in device_check.skip_reason("vllm", 0, dry_run=True)
     monkeypatch.setattr("canopy.compat.version", lambda package: "2.11.0+cu130")
     assert "torch < 2.13" in device_check.skip_reason("parallel_qwen3_5", 8)
     assert device_check.skip_reason("kernels", 1) is None
@@ -140,3 +145,14 @@ def test_random_models_are_built_on_the_device_asked_for():
     hf = device_train_step.GPU_MODELS["qwen3_5-4b"][0]  # the real shapes, counted without memory
     params, flops_per_token = device_train_step.flops_per_token(hf, 8192)
     assert 3.5e9 < params < 4.5e9 and flops_per_token > 4 * params  # 6 N without the embeddings, + attention
+
+
+@pytest.mark.parametrize("script, variable", [("gpu_check_sglang.py", "SGLANG"), ("gpu_check_vllm.py", "VLLM")])
+def test_the_server_checks_import_here_and_refuse_a_machine_without_a_gpu_in_one_line(script, variable):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), f"CANOPY_{variable}_PYTHON": sys.executable}
+    done = subprocess.run(
+        [sys.executable, f"scripts/{script}"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 1, done.stderr[-2000:]
+    first = done.stdout.splitlines()[0]
+    assert first.startswith(f"FAIL setup: needs CANOPY_{variable}_PYTHON") and first.endswith("and a CUDA GPU")

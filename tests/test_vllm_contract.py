@@ -1,10 +1,12 @@
 """Canopy's vLLM client against the vLLM release the Makefile pins (VLLM_VERSION), read from its source in .venv-vllm
 by tests/vllm_contract.py. What Canopy sends is collected from its own code: the real VLLMEngine driven against fake
 servers through each of its paths (attach, generation, a retried abort, disk weight sync, a failed sync's ejection
-and re-sync), and the launch commands `launch_command` builds for every configuration. Each request must name a route
-the release serves under its method, with its query parameters and body fields; each key the reply parser reads must
-be a field of the release's response model; each flag a server argument, each variable one vLLM declares. The fake
-serves exactly the routes Canopy calls, and a misspelt route, parameter, field, flag or variable is reported."""
+and re-sync, the NCCL transfer with a server failing mid-transfer and rejoining), and the launch commands
+`launch_command` builds for every configuration. Canopy's ctypes binding of libnccl must be vLLM's. Each request
+must name a route the release serves under its method, with its query parameters and body fields; each key the reply
+parser reads must be a field of the release's response model; each flag a server argument, each variable one vLLM
+declares. The fake serves exactly the routes Canopy calls, and a misspelt route, parameter, field, flag or variable
+is reported."""
 
 import ast
 import json
@@ -13,10 +15,17 @@ import urllib.parse
 from pathlib import Path
 
 import pytest
-from fake_vllm import ROUTES, FakeVLLM
+from fake_vllm import ROUTES, FakeTransport, FakeVLLM
 from omegaconf import OmegaConf
 from test_vllm_engine import engine_for, tiny_weights
-from vllm_contract import VLLMSourceMissing, check_launch, check_reply_reads, check_requests, load_api
+from vllm_contract import (
+    VLLMSourceMissing,
+    check_launch,
+    check_nccl_binding,
+    check_reply_reads,
+    check_requests,
+    load_api,
+)
 
 from canopy.config import compose_config
 from canopy.rollout import http, vllm
@@ -54,6 +63,14 @@ def canopy_requests(tiny_path, work: Path, routes=ROUTES) -> list[tuple[str, str
         while engine.router.counts["resyncs"] == 0 and time.monotonic() < deadline:  # found stale, re-synced
             time.sleep(0.01)
         engine.close()
+        transport = FakeTransport()  # weight_sync=nccl
+        servers += [FakeVLLM(routes=routes, transport=transport), FakeVLLM(routes=routes, transport=transport)]
+        engine = engine_for(tiny_path, work / "nccl", servers[2:], transport, weight_sync="nccl")
+        servers[3].fail_control = {"/update_weights"}
+        engine.update_weights(tiny_weights(tiny_path, 0.01).items(), 1)  # the second fails mid-transfer
+        servers[3].fail_control = set()
+        engine.update_weights(tiny_weights(tiny_path, 0.02).items(), 2)  # and rejoins over a new group
+        engine.close()
     finally:
         for server in servers:
             server.stop()
@@ -75,8 +92,10 @@ def canopy_launches() -> list[tuple[str, list[str], dict[str, str]]]:
             argv, env = vllm_servers.launch_command(settings, ROOT, 1, budget.max_context_tokens, rope, cfg.seed)
             launches.append((f"{source} ({budget.name} budget)", argv, env))
     yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 2048}
-    gpu = VLLMSettings(python="/x", device="cuda", dtype="bfloat16", tp_size=2)
-    launches.append(("engine.vllm.device=cuda", *vllm_servers.launch_command(gpu, ROOT, 0, 8192, yarn, 0)))
+    gpu = VLLMSettings(python="/x", device="cuda", dtype="bfloat16", tp_size=2, weight_sync="nccl")
+    launches.append(
+        ("engine.vllm.device=cuda weight_sync=nccl", *vllm_servers.launch_command(gpu, ROOT, 0, 8192, yarn, 0))
+    )
     return launches
 
 
@@ -96,6 +115,9 @@ def test_the_contract_reads_the_release():
     assert "weights_path" in api.rpc_methods["reload_weights"]
     assert api.flags["--enforce-eager"] and not api.flags["--max-model-len"] and "VLLM_CPU_KVCACHE_SPACE" in api.env
     assert api.route("GET", "/pause") == (None, True) and len(api.routes) > 50
+    assert {"nccl_unique_id_b64", "rank_offset", "packed"} <= set(api.fields("NCCLWeightTransferInitInfo"))
+    assert api.route("POST", "/update_weights")[0].embedded == {"update_info": True} and "nccl" in api.transfer_backends
+    assert len(api.nccl_functions["ncclBroadcast"][1]) == 7 and api.nccl_constants["ncclBfloat16"] == 9
 
 
 def test_every_request_canopy_sends_is_served_by_the_release(sent):
@@ -113,6 +135,24 @@ def test_every_request_canopy_sends_is_served_by_the_release(sent):
     }
     assert named == {path for _, path, _, _ in sent}
     assert {(method, path) for method, path, _, _ in sent} == ROUTES  # the fake serves exactly those
+
+
+def test_canopys_nccl_binding_is_vllms_and_matches_its_warm_up():
+    """The libnccl calls, types, data type numbers and unique-id struct Canopy binds are those vLLM binds; and the
+    trainer's warm-up is what vLLM's workers issue right after ncclCommInitRank (one float32 zero, summed)."""
+    api = release()
+    source = (Path(vllm.__file__).parent / "nccl.py").read_text()
+    failures = check_nccl_binding(api, source)
+    assert not failures, "\n".join(map(str, failures))
+    assert "torch.zeros(1, device=device)" in api.nccl_warmup and "self.all_reduce(data)" in api.nccl_warmup
+    assert "warmup = torch.zeros(1, device=device)" in source and '"ncclAllReduce", warmup.data_ptr()' in source
+    mutated = source.replace("torch.bfloat16: 9", "torch.bfloat16: 10").replace(
+        '"ncclCommAbort": (Result, [Comm])', '"ncclCommAbort": (Result, [Comm, ctypes.c_int])'
+    )
+    assert {(f.kind, f.where) for f in check_nccl_binding(api, mutated)} == {
+        ("nccl_dtype", "torch.bfloat16"),
+        ("nccl_signature", "ncclCommAbort"),
+    }
 
 
 class Recorded(dict):
@@ -194,6 +234,8 @@ def test_misspelt_routes_fields_flags_and_variables_are_reported(tiny_path, tmp_
             body["sampling_params"]["max_tokens"] = body["sampling_params"]["max_new_tokens"]  # the fake still works
         if url.endswith("/resume"):
             body = {"now": True}
+        if body and "init_info" in body:
+            body["init_info"]["nccl_unique_id"] = body["init_info"]["nccl_unique_id_b64"]
         return request(url, body, timeout, headers, method)
 
     for module in (http_fleet, http_routing):  # each module that sends requests
@@ -207,6 +249,7 @@ def test_misspelt_routes_fields_flags_and_variables_are_reported(tiny_path, tmp_
         ("unknown_rpc_kwarg", "POST /collective_rpc reload_weights path"),
         ("unknown_sampling_param", "POST /inference/v1/generate sampling_params max_new_tokens"),
         ("unread_body", "POST /resume"),
+        ("unknown_field", "POST /init_weight_transfer_engine init_info.nccl_unique_id"),
     }
 
     command = vllm_servers.launch_command

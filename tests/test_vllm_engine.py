@@ -1,13 +1,16 @@
 """VLLMEngine against fake vLLM servers (stdlib, in a thread): attach, request bodies and reply parsing, aborted and
 stale samples, the disk weight sync's order of calls, a server failing its sync ejected and re-synced when it answers
-again, launch commands, and the settings' one-line errors. Real servers: tests/test_vllm_server.py."""
+again, the NCCL weight transfer's choreography over fake groups (what each server is told and what it receives, a
+server failing mid-transfer aborted and rejoining, a server without weight transfer refused at start), launch
+commands, and the settings' one-line errors. Real servers: tests/test_vllm_server.py."""
 
 import json
 import time
 from pathlib import Path
 
 import pytest
-from fake_vllm import FakeVLLM
+import torch
+from fake_vllm import FakeTransport, FakeVLLM
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
@@ -35,10 +38,10 @@ def fake():
         server.stop()
 
 
-def engine_for(tiny_path, tmp_path, servers, **overrides):
+def engine_for(tiny_path, tmp_path, servers, transport=None, **overrides):
     settings = dict(urls=[s.url for s in servers], sync_dir=str(tmp_path / "sync"), max_retries=2, concurrency=8)
     settings = VLLMSettings(**{**settings, **overrides})
-    return VLLMEngine(tiny_path, STOPS, settings, retry_backoff_s=0.0, health_interval_s=0.02)
+    return VLLMEngine(tiny_path, STOPS, settings, retry_backoff_s=0.0, health_interval_s=0.02, transport=transport)
 
 
 def tiny_weights(tiny_path, shift=0.0):
@@ -145,6 +148,70 @@ def test_a_server_failing_its_sync_is_ejected_then_resynced_before_it_serves(tin
     engine.close()
 
 
+def nccl_engine(tiny_path, tmp_path, fake, count=2, **overrides):
+    transport = FakeTransport()
+    servers = [fake(transport=transport) for _ in range(count)]
+    overrides = {"weight_sync": "nccl", "bucket_mib": 0.01, **overrides}  # 10 KiB buckets: several per update
+    return engine_for(tiny_path, tmp_path, servers, transport, **overrides), servers, transport
+
+
+def test_nccl_sync_sends_every_weight_in_the_order_each_server_was_told(tiny_path, tmp_path, fake):
+    engine, (a, b), transport = nccl_engine(tiny_path, tmp_path, fake)
+    for server in (a, b):  # a group with each server at start, from a unique id of the trainer's
+        [init] = server.bodies("/init_weight_transfer_engine")
+        assert init["init_info"]["world_size"] == 2 and init["init_info"]["packed"] is False
+    assert len(transport.groups) == 2
+    since = len(a.calls)
+    weights = tiny_weights(tiny_path, 0.25)
+    engine.update_weights(weights.items(), 1)
+    for server in (a, b):
+        paths = server.paths(since)
+        buckets = paths.count("/update_weights")
+        assert buckets >= 3  # the tiny model in 10 KiB buckets
+        assert paths == ["/pause", "/start_weight_update", *["/update_weights"] * buckets, "/finish_weight_update",
+                         "/reset_prefix_cache", "/resume", "/weight_info"]  # fmt: skip
+        assert server.calls[since].query == {"mode": "abort", "clear_cache": "true"}
+        assert server.bodies("/finish_weight_update") == [{"weight_version": "1"}] and server.version == "1"
+        told = [name for body in server.bodies("/update_weights") for name in body["update_info"]["names"]]
+        assert sorted(told) == sorted(weights) and len(told) == len(weights)  # each weight once
+        assert all(torch.equal(server.weights[name], weights[name]) for name in weights)  # what it was sent
+    [stop] = engine.generate([[5, 6]], [4], SamplingParams())
+    assert stop.weight_version == 1
+    with pytest.raises(RuntimeError, match="missed"):  # a stream that breaks off leaves every server suspect
+        engine.update_weights(list(tiny_weights(tiny_path).items())[:-1], 2)
+    assert all(server.ejected for server in engine.fleet.servers) and not engine.weight_sync.groups
+    engine.close()
+
+
+def test_a_server_failing_mid_transfer_is_aborted_ejected_and_rejoins_at_the_next_step(tiny_path, tmp_path, fake):
+    engine, (a, b), transport = nccl_engine(tiny_path, tmp_path, fake)
+    first_group = engine.weight_sync.groups[engine.fleet.servers[1]][0]
+    b.fail_control = {"/update_weights"}  # b's workers never take the bucket: the broadcast into its group waits
+    engine.update_weights(tiny_weights(tiny_path, 0.1).items(), 1)  # until the group is aborted; a takes it
+    assert first_group.aborted and a.version == "1" and b.version == "0" and engine.fleet.servers[1].ejected
+    assert engine.router.counts["ejections"] == 1
+    b.fail_control = set()  # it answers again: not re-synced alone (no copy of the weights), it waits for the next step
+    engine.update_weights(tiny_weights(tiny_path, 0.2).items(), 2)
+    assert b.bodies("/shutdown_weight_transfer_engine")[-1] == {} and len(b.bodies("/init_weight_transfer_engine")) == 2
+    assert a.version == b.version == "2" and len(transport.groups) == 3  # b over a new group
+    assert all(torch.equal(b.weights[k], v) for k, v in tiny_weights(tiny_path, 0.2).items())
+    deadline = time.monotonic() + 10
+    while engine.fleet.servers[1].ejected and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert engine.router.counts["readmissions"] == 1 and engine.router.counts["resyncs"] == 0
+    a.fail_control = b.fail_control = {"/start_weight_update"}
+    with pytest.raises(RuntimeError, match="no vLLM server took weight version 3 over NCCL"):
+        engine.update_weights(tiny_weights(tiny_path, 0.3).items(), 3)
+    engine.close()
+
+
+def test_a_server_without_weight_transfer_stops_the_engine_at_start_naming_the_flag(tiny_path, tmp_path, fake):
+    server = fake()  # launched without --weight-transfer-config: it refuses /init_weight_transfer_engine
+    with pytest.raises(RuntimeError, match=r"weight_transfer_config.*--weight-transfer-config .*weight_sync=disk"):
+        engine_for(tiny_path, tmp_path, [server], FakeTransport(), weight_sync="nccl")
+    assert server.paths()[-1] == "/init_weight_transfer_engine"
+
+
 def test_launch_commands_serve_the_trainers_logprobs_and_keep_off_home(tmp_path):
     settings = VLLMSettings(python="/venv/bin/python", sync_dir=str(tmp_path), base_port=31000, threads=2)
     argv, env = launch_command(settings, "/models/m", 1, 1024, None, 7)
@@ -161,6 +228,9 @@ def test_launch_commands_serve_the_trainers_logprobs_and_keep_off_home(tmp_path)
                                yarn, 0)  # fmt: skip
     assert json.loads(argv[argv.index("--hf-overrides") + 1]) == {"rope_scaling": yarn}
     assert env["CUDA_VISIBLE_DEVICES"] == "4,5" and "--enforce-eager" not in argv
+    assert "--weight-transfer-config" not in argv
+    argv, _ = launch_command(VLLMSettings(python="p", device="cuda", weight_sync="nccl"), "/m", 0, 8192, None, 0)
+    assert json.loads(argv[argv.index("--weight-transfer-config") + 1]) == {"backend": "nccl"}
 
 
 @pytest.mark.parametrize(
@@ -170,7 +240,9 @@ def test_launch_commands_serve_the_trainers_logprobs_and_keep_off_home(tmp_path)
         ("engine.vllm.device=tpu", "engine.vllm.device='tpu' is unknown: use cpu or cuda"),
         ("engine.vllm.dtype=float16", "float16 is not served by vLLM's CPU build"),
         ("engine.vllm.block_size=48", "block_size=48: vLLM's CPU attention takes multiples of 32"),
-        ("engine.vllm.weight_sync=nccl", "weight_sync='nccl' is unknown: use disk"),
+        ("engine.vllm.weight_sync=nccl", "weight_sync=nccl broadcasts from the trainer's GPU .*use .*weight_sync=disk"),
+        ("engine.vllm.weight_sync=ipc", "weight_sync='ipc' is unknown: use disk or nccl"),
+        ("engine.vllm.bucket_mib=0", r"engine.vllm.bucket_mib=0(\.0)? must be > 0 MiB"),
         ("engine.vllm.kv_cache_gib=0", "engine.vllm.kv_cache_gib=0 must be a positive integer"),
         ("sampling.top_k=20", "top_k=20 / top_p=1.0 are the filtered distribution's"),
     ],

@@ -8,10 +8,14 @@ from its source in .venv-vllm with `ast` (never imported), and the checks of wha
 - flags: EngineArgs' and the frontend's dataclass fields as `--kebab-case` (bool ones also as `--no-...`, and they
   take no value); environment: the keys of vllm/envs.py's `environment_variables`;
 - collective RPCs: the worker's methods (v1/worker/gpu_worker.py, which the CPU worker extends) and the model
-  runner's parameters of each.
+  runner's parameters of each;
+- NCCL weight transfer: the init / update infos' and the weight-transfer config's fields, and the libnccl calls vLLM
+  binds with ctypes (pynccl_wrapper.py), their types with vLLM's aliases resolved, for Canopy's own binding
+  (canopy/rollout/vllm/nccl.py) to match; the unique id's size and the data type numbers.
 """
 
 import ast
+import json
 import os
 import re
 from dataclasses import dataclass, field
@@ -55,6 +59,11 @@ class VLLMApi:
     flags: dict[str, bool]  # --flag -> whether it is a bool (takes no value)
     env: set[str]
     rpc_methods: dict[str, set[str]]  # worker method -> the model runner's parameters
+    nccl_functions: dict[str, tuple[str, list[str]]]  # libnccl call -> (return type, argument types), aliases resolved
+    nccl_constants: dict[str, int]  # ncclDataTypeEnum's and ncclRedOpTypeEnum's members
+    nccl_unique_id: str  # ncclUniqueId's _fields_
+    transfer_backends: set[str]  # WeightTransferEngineFactory.register_engine(name, ...) names
+    nccl_warmup: str  # the source of PyNcclCommunicator._init_comm: the warm-up a foreign trainer must match
 
     def route(self, method: str, path: str) -> tuple[Route | None, bool]:
         """(the route served at path under method, whether the path is served under any method)."""
@@ -94,7 +103,11 @@ def load_api() -> VLLMApi:
     modules = {path: ast.parse(path.read_text(), filename=str(path)) for path in (vllm / "entrypoints").rglob("*.py")}
     routes = [route for tree in modules.values() for route in _routes(tree)]
     classes = {}
-    for path in [*modules, vllm / "sampling_params.py", vllm / "outputs.py"]:
+    transfer = [
+        *sorted((vllm / "distributed" / "weight_transfer").glob("*.py")),
+        vllm / "config" / "weight_transfer.py",
+    ]
+    for path in [*modules, vllm / "sampling_params.py", vllm / "outputs.py", *transfer]:
         tree = modules.get(path) or ast.parse(path.read_text())
         for node in tree.body:
             if isinstance(node, ast.ClassDef):
@@ -137,7 +150,65 @@ def load_api() -> VLLMApi:
         for n in cls.body
         if isinstance(n, ast.FunctionDef)
     }
-    return VLLMApi(version, routes, classes, flags, env, rpc)
+    communicators = vllm / "distributed" / "device_communicators"
+    functions, constants, unique_id = nccl_binding(ast.parse((communicators / "pynccl_wrapper.py").read_text()))
+    pynccl = ast.parse((communicators / "pynccl.py").read_text())
+    warmup = next(n for n in ast.walk(pynccl) if isinstance(n, ast.FunctionDef) and n.name == "_init_comm")
+    factory = ast.parse((vllm / "distributed" / "weight_transfer" / "factory.py").read_text())
+    backends = {
+        n.args[0].value
+        for n in ast.walk(factory)
+        if isinstance(n, ast.Call) and _name(n.func) == "register_engine" and isinstance(n.args[0], ast.Constant)
+    }
+    nccl = functions, constants, unique_id, backends, ast.unparse(warmup)
+    return VLLMApi(version, routes, classes, flags, env, rpc, *nccl)
+
+
+def nccl_binding(tree: ast.Module) -> tuple[dict[str, tuple[str, list[str]]], dict[str, int], str]:
+    """A ctypes binding of libnccl: each `Function(name, restype, [argtypes])` call (vLLM's) or `SIGNATURES` entry
+    (Canopy's) as source text, its module's type aliases (`X = ctypes.c_int`) and integer constants resolved and its
+    unique-id struct named `ncclUniqueId`; its integer constants (module level and of ncclDataTypeEnum); and the
+    unique-id struct's `_fields_`, resolved alike."""
+    aliases, constants, functions, unique_id = {}, {}, {}, None
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and isinstance(node.value, (ast.Attribute, ast.Constant)):
+            for target in node.targets:
+                if isinstance(target, ast.Name) and isinstance(node.value, ast.Attribute):
+                    aliases[target.id] = ast.unparse(node.value)
+                elif isinstance(target, ast.Name) and isinstance(node.value.value, int):
+                    constants[target.id] = node.value.value
+        elif isinstance(node, ast.Assign) and isinstance(node.value, ast.Tuple) and len(node.targets) == 1:
+            if isinstance(node.targets[0], ast.Tuple):  # A, B = ctypes.x, ctypes.y
+                for target, value in zip(node.targets[0].elts, node.value.elts):
+                    if isinstance(target, ast.Name):
+                        aliases[target.id] = ast.unparse(value)
+        elif isinstance(node, ast.ClassDef) and any(_name(b) == "Structure" for b in node.bases):
+            aliases[node.name] = "ncclUniqueId" if node.name.endswith("UniqueId") else node.name
+
+    def resolve(source: ast.AST) -> str:
+        text = ast.unparse(source)
+        for _ in range(3):
+            text = re.sub(r"[A-Za-z_][\w.]*", lambda m: aliases.get(m.group(0), m.group(0)), text)
+        text = re.sub(r"[A-Za-z_]\w*", lambda m: str(constants.get(m.group(0), m.group(0))), text)
+        return text.replace("ctypes.", "")
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef) and aliases.get(node.name) == "ncclUniqueId":
+            fields = next(s.value for s in node.body if isinstance(s, ast.Assign) and s.targets[0].id == "_fields_")
+            unique_id = resolve(fields)
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and _name(node.func) == "Function" and len(node.args) == 3:
+            name, restype, argtypes = node.args
+            functions[name.value] = (resolve(restype), [resolve(a) for a in argtypes.elts])
+        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == "SIGNATURES":
+            for key, value in zip(node.value.keys, node.value.values):
+                restype, argtypes = value.elts
+                functions[key.value] = (resolve(restype), [resolve(a) for a in argtypes.elts])
+        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == "DTYPES":
+            for key, value in zip(node.value.keys, node.value.values):
+                constants[ast.unparse(key)] = value.value
+    return functions, constants, unique_id
 
 
 def _name(node: ast.AST) -> str:
@@ -228,6 +299,12 @@ def check_requests(api: VLLMApi, calls) -> list[Failure]:
             failures += [Failure("unknown_field", f"{where} {k}") for k in sorted(set(body) - route.raw_keys)]
         elif body:
             failures.append(Failure("unread_body", where, f"the handler reads no body: {sorted(body)}"))
+        nested = {"/init_weight_transfer_engine": ("init_info", "NCCLWeightTransferInitInfo"),
+                  "/update_weights": ("update_info", "NCCLWeightTransferUpdateInfo")}  # fmt: skip
+        if path in nested and isinstance(body.get(nested[path][0]), dict):
+            key, model = nested[path]
+            unknown = set(body[key]) - set(api.fields(model))
+            failures += [Failure("unknown_field", f"{where} {key}.{k}") for k in sorted(unknown)]
         if path == "/collective_rpc" and body:
             method_name = body.get("method")
             if method_name not in api.rpc_methods:
@@ -271,4 +348,36 @@ def check_launch(api: VLLMApi, argv: list[str], env: dict[str, str]) -> list[Fai
         if not api.flags[arg] and not takes_value:
             failures.append(Failure("flag_needs_a_value", arg))
     failures += [Failure("unknown_env", name) for name in sorted(set(env) - api.env - NOT_VLLM)]
+    if "--weight-transfer-config" in args:
+        config = json.loads(args[args.index("--weight-transfer-config") + 1])
+        allowed = api.fields("WeightTransferConfig")
+        failures += [
+            Failure("unknown_field", f"--weight-transfer-config {k}") for k in sorted(set(config) - set(allowed))
+        ]
+        if config.get("backend") not in api.transfer_backends:
+            failures.append(Failure("unknown_backend", f"--weight-transfer-config {config.get('backend')}"))
+    return failures
+
+
+def check_nccl_binding(api: VLLMApi, canopy_source: str) -> list[Failure]:
+    """Canopy's ctypes binding (its `SIGNATURES`, `DTYPES`, `SUM` and unique-id struct) against vLLM's of libnccl."""
+    functions, constants, unique_id = nccl_binding(ast.parse(canopy_source))
+    failures = []
+    for name, signature in sorted(functions.items()):
+        if name not in api.nccl_functions:
+            failures.append(Failure("unknown_nccl_call", name))
+        elif signature != api.nccl_functions[name]:
+            failures.append(Failure("nccl_signature", name, f"{signature} != vLLM's {api.nccl_functions[name]}"))
+    if constants.get("SUM") != api.nccl_constants.get("ncclSum"):
+        failures.append(Failure("nccl_sum", str(constants.get("SUM"))))
+    if unique_id != api.nccl_unique_id:
+        failures.append(Failure("nccl_unique_id", str(unique_id), f"!= vLLM's {api.nccl_unique_id}"))
+    nccl_names = {"torch.int8": "ncclInt8", "torch.uint8": "ncclUint8", "torch.int32": "ncclInt32",
+                  "torch.int64": "ncclInt64", "torch.float16": "ncclFloat16", "torch.float32": "ncclFloat32",
+                  "torch.float64": "ncclFloat64", "torch.bfloat16": "ncclBfloat16"}  # fmt: skip
+    for dtype, number in sorted((k, v) for k, v in constants.items() if k.startswith("torch.")):
+        if api.nccl_constants.get(nccl_names.get(dtype, "?")) != number:
+            failures.append(
+                Failure("nccl_dtype", dtype, f"{number} != vLLM's {api.nccl_constants.get(nccl_names.get(dtype, '?'))}")
+            )
     return failures

@@ -77,6 +77,8 @@ def launch_command(
         argv += ["--tensor-parallel-size", str(s.tp_size), "--gpu-memory-utilization", str(s.gpu_memory_utilization)]
         first = s.base_gpu_id + index * s.tp_size
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(gpu) for gpu in range(first, first + s.tp_size))
+    if s.weight_sync == "nccl":  # serves /init_weight_transfer_engine and /update_weights
+        argv += ["--weight-transfer-config", json.dumps({"backend": "nccl"})]
     if rope_scaling:  # YaRN past the native context (enlarged budget)
         argv += ["--hf-overrides", json.dumps({"rope_scaling": dict(rope_scaling)})]
     return argv + list(s.extra_args), env

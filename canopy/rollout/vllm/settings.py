@@ -29,7 +29,10 @@ class VLLMSettings:
     block_size: int = 32  # --block-size: the prefix cache reuses whole blocks of an episode's prompt (the CPU build
     # takes multiples of 32 and defaults to 128, which leaves up to 127 tokens of each turn's prompt to prefill again)
     extra_args: list[str] = field(default_factory=list)  # more api_server flags, e.g. [--max-num-seqs, "64"]
-    weight_sync: str = "disk"  # disk: safetensors + reload_weights (any device)
+    weight_sync: str = "disk"  # disk: safetensors + reload_weights (any device) | nccl: vLLM's native transfer,
+    # broadcast from the trainer's GPU (device=cuda; servers launched with --weight-transfer-config, as Canopy does)
+    bucket_mib: float = 1024.0  # nccl: tensors per /update_weights request, in MiB (the trainer holds one at once)
+    sync_timeout_s: float = 600.0  # nccl: a server that has not taken a bucket by then is aborted and ejected
     sync_dir: str = ".cache/vllm"  # v<version>/ weight dirs, server logs, vLLM's cache; the servers must see it
     concurrency: int = 256  # requests in flight, over all servers
     request_timeout_s: float = 3600.0
@@ -80,15 +83,19 @@ class VLLMSettings:
             f"engine.vllm.base_gpu_id={trainer_devices}, or attach to servers elsewhere with engine.vllm.urls",
         )
         require(
-            self.weight_sync == "disk",
-            f"engine.vllm.weight_sync={self.weight_sync!r} is unknown: use disk (vLLM's NCCL weight transfer is not "
-            "wired in yet: docs/engines.md)",
+            self.weight_sync in ("disk", "nccl"),
+            f"engine.vllm.weight_sync={self.weight_sync!r} is unknown: use disk or nccl",
+        )
+        require(
+            self.weight_sync != "nccl" or (self.device == "cuda" and accelerator != "cpu"),
+            "engine.vllm.weight_sync=nccl broadcasts from the trainer's GPU to the servers' GPUs: set "
+            "engine.vllm.device=cuda and trainer.accelerator=gpu, or use engine.vllm.weight_sync=disk",
         )
         require(self.sync_dir is not None, "engine.vllm.sync_dir is not set: give a directory the servers can read")
-        for key in ("request_timeout_s", "startup_timeout_s"):
+        for key in ("request_timeout_s", "startup_timeout_s", "sync_timeout_s", "bucket_mib"):
             require(
                 isinstance(getattr(self, key), (int, float)) and getattr(self, key) > 0,
-                f"engine.vllm.{key}={getattr(self, key)} must be > 0 seconds",
+                f"engine.vllm.{key}={getattr(self, key)} must be > 0" + (" MiB" if key == "bucket_mib" else " seconds"),
             )
         require(
             is_int(self.max_retries) and self.max_retries >= 0,
