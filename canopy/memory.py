@@ -30,6 +30,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from canopy.errors import ConfigError
 from canopy.models import MODEL_FAMILIES
+from canopy.rollout.sglang.weight_sync import BUCKET_BYTES as SGLANG_SYNC_BUCKET
 
 GIB = 1 << 30
 GPUS = {"A100-80GB": 80.0, "H100-80GB": 79.6, "H200-141GB": 140.4}  # GiB, the total nvidia-smi reports
@@ -82,6 +83,7 @@ class TrainerLayout:
     max_context_tokens: int = 40960
     logprob_chunk_tokens: int = 2048
     device: str = "cuda"  # cuda | cpu: what the activations are traced for (kernels differ)
+    sync_bucket_bytes: float = 0.0  # the weight sync's bucket on the trainer's GPU (a broadcast to the servers)
 
     @property
     def world(self) -> int:
@@ -117,7 +119,19 @@ class TrainerLayout:
             max_context_tokens=cfg.budget.max_context_tokens,
             logprob_chunk_tokens=t.logprob_chunk_tokens,
             device=device or ("cpu" if t.accelerator == "cpu" else "cuda"),
+            sync_bucket_bytes=sync_bucket_bytes(cfg),
         )
+
+
+def sync_bucket_bytes(cfg) -> float:
+    """What a broadcast weight sync holds on the trainer's GPU at once: vLLM's NCCL transfer one bucket of
+    `engine.vllm.bucket_mib`, SGLang's distributed sync one of 1 GiB; a disk sync none (tensors go to the CPU)."""
+    engine = cfg.engine
+    if engine.name == "vllm" and engine.vllm.weight_sync == "nccl":
+        return engine.vllm.bucket_mib * 2**20
+    if engine.name == "sglang" and engine.sglang.weight_sync == "distributed":
+        return float(SGLANG_SYNC_BUCKET)
+    return 0.0
 
 
 @dataclass(frozen=True)
@@ -231,11 +245,15 @@ def trainer_plan(shape: ModelShape, layout: TrainerLayout) -> Plan:
     recompute = max(per_rank(n, "none") - per_rank(s, mode) for n, s in zip(none_layers, saved_layers, strict=True))
     layer_backward = recompute + GRADIENT_TEMPORARIES * tokens * math.ceil(shape.intermediate / tp) * c
     optimizer_step = E * 4 if gpu else 2 * shape.largest_param * 4  # foreach AdamW's temporaries / per tensor
+    weight_sync = layout.sync_bucket_bytes + shape.largest_param * 4  # one bucket, one tensor gathered whole
     working = {"logprob head": head, "layer backward": layer_backward, "optimizer step": optimizer_step}
+    if layout.sync_bucket_bytes:
+        working["weight sync"] = weight_sync
     peak_name = max(("logprob head", "layer backward"), key=working.get)
     peak_working = working[peak_name]
-    if optimizer_step > activations + peak_working:  # after backward: the activations are freed
-        peak_name, peak_working, activations = "optimizer step", optimizer_step, 0.0
+    after = max(("optimizer step", "weight sync"), key=lambda name: working.get(name, 0.0))
+    if working[after] > activations + peak_working:  # after backward: the activations are freed
+        peak_name, peak_working, activations = after, working[after], 0.0
 
     terms = [
         Term("weights", E * 4, f"{E / 1e9:.2f} B parameters on this rank, float32"),

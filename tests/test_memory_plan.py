@@ -187,3 +187,24 @@ def test_launched_vllm_gpu_servers_are_planned_as_sglang_ones():
         check_memory(compose_config(gpu + ["engine.vllm.gpu_memory_utilization=0.2"]), None)
     check_memory(compose_config(gpu), None)
     check_memory(compose_config(vllm + ["engine.vllm.gpu_memory_utilization=0.2"]), None)  # on the CPU build
+
+
+def test_a_broadcast_weight_sync_holds_its_bucket_on_the_trainers_gpu():
+    """vLLM's NCCL transfer holds one bucket of engine.vllm.bucket_mib and one tensor gathered whole after the step;
+    a disk sync holds neither on the GPU; a bucket large enough is the peak, the activations freed by then."""
+    shape = model_shape(json.dumps(qwen3_config(128, 384, 4, 2, 32, 4, 4000), sort_keys=True))
+    base = dict(micro_batch_tokens=4096, max_context_tokens=4096)
+    disk = trainer_plan(shape, TrainerLayout(**base))
+    bucket = trainer_plan(shape, TrainerLayout(**base, sync_bucket_bytes=GIB))
+    assert "weight sync" not in disk.working
+    assert bucket.working["weight sync"] == pytest.approx(GIB + 4000 * 128 * 4)  # the bucket, the embedding
+    assert bucket.term("working set").detail.startswith("weight sync at its peak")
+    assert bucket.term("activations").bytes == 0 and bucket.total > disk.total
+    nccl = ["experiment=appworld_canopy", "engine=vllm", "engine.vllm.python=/x", "engine.vllm.device=cuda"]
+    layouts = {
+        sync: TrainerLayout.from_config(
+            compose_config([*nccl, f"engine.vllm.weight_sync={sync}", "engine.vllm.bucket_mib=256"])
+        )
+        for sync in ("disk", "nccl")
+    }
+    assert (layouts["disk"].sync_bucket_bytes, layouts["nccl"].sync_bucket_bytes) == (0.0, 256 * 2**20)

@@ -14,7 +14,12 @@ from canopy.rollout.http.fleet import Fleet
 from canopy.rollout.http.routing import Router
 from canopy.rollout.sglang.servers import SGLang
 from canopy.rollout.sglang.settings import SGLangSettings, serving_dtype
-from canopy.rollout.sglang.weight_sync import WeightSync, broadcast_from_trainer, init_custom_process_group
+from canopy.rollout.sglang.weight_sync import (
+    BUCKET_BYTES,
+    WeightSync,
+    broadcast_from_trainer,
+    init_custom_process_group,
+)
 
 
 class SGLangEngine(HTTPEngine):
@@ -32,7 +37,7 @@ class SGLangEngine(HTTPEngine):
         retry_backoff_s: float = 1.0,
         health_interval_s: float = 5.0,
         shard_bytes: int = 4 << 30,
-        bucket_bytes: int = 1 << 30,
+        bucket_bytes: int = BUCKET_BYTES,
         init_group: Callable = init_custom_process_group,
         broadcast: Callable = broadcast_from_trainer,
     ):

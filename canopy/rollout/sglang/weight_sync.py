@@ -23,6 +23,7 @@ from canopy.rollout.http.fleet import Fleet
 from canopy.rollout.sglang.settings import SGLangSettings
 
 GROUP_NAME = "canopy_weight_sync"
+BUCKET_BYTES = 1 << 30  # distributed: tensors per update_weights_from_distributed call (the trainer holds one)
 
 
 def init_custom_process_group(backend: str, init_method: str, world_size: int, rank: int, group_name: str):
