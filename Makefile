@@ -9,7 +9,7 @@ STAMP := $(VENV)/.canopy-installed
 APPWORLD_VENV ?= .venv-appworld
 APPWORLD_STAMP := $(APPWORLD_VENV)/.canopy-installed
 
-.PHONY: train test lint bench clean appworld system sglang sglang-api vllm device-rehearsal device-bundle
+.PHONY: train test test-deps lint bench clean appworld system sglang sglang-api vllm device-rehearsal device-bundle
 
 # swebench and mini-swe-agent without their dependencies: Canopy imports only swebench's grading modules (docker,
 # datasets and modal stay out) and reads mini-swe-agent's templates from its package data (litellm stays out).
@@ -99,7 +99,11 @@ lint: $(STAMP)
 # once); PYTEST_WORKERS=0 runs the suite in this process. The suite passed with 2 and with 4 workers (on 2 cores);
 # more gain little (the longest files take 1-2 minutes each) and each worker holds torch and the runs it starts.
 PYTEST_WORKERS ?= $(shell n=$$(nproc); echo $$(( n < 4 ? n : 4 )))
-test: lint $(APPWORLD_STAMP) $(SGLANG_API_STAMP) $(VLLM_STAMP) system
+# what the suite needs, built side by side (make -j: the venvs' pip installs and apt overlap)
+test-deps: lint $(APPWORLD_STAMP) $(SGLANG_API_STAMP) $(VLLM_STAMP) system
+
+test:
+	$(MAKE) -j4 --output-sync=target test-deps
 	$(PY) -m pytest -q -ra -n $(PYTEST_WORKERS) --dist loadfile --durations=25 $(PYTEST_ARGS)
 
 # The lent GPU machine (docs/verification.md): its bundle of wheels, and its setup rehearsed here on torch 2.11
