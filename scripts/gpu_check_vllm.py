@@ -22,12 +22,11 @@ import time
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
-from server_check import FAILED, GAPS, check_samples, free_port, perturbed, report
+from safetensors.torch import save_file
+from server_check import FAILED, GAPS, check_model, check_samples, free_port, perturbed, report
 
 from canopy.rollout.engine import SamplingParams
 from canopy.rollout.vllm import VLLMEngine, VLLMSettings
-from canopy.tools.tiny_model import build_tiny_checkpoint
 
 
 def main() -> None:
@@ -43,21 +42,7 @@ def main() -> None:
         sys.exit(1)
     two_gpus = torch.cuda.device_count() > 1
     work = Path(tempfile.mkdtemp(prefix="canopy-vllm-check-"))
-    base_dir = build_tiny_checkpoint(  # head_dim 64, which every vLLM attention backend supports
-        work / "base",
-        hidden_size=256,
-        layers=2,
-        heads=4,
-        kv_heads=2,
-        intermediate_size=768,
-        max_position_embeddings=4096,
-        pad_vocab_multiple=64,
-        seed=0,
-    )
-    base = load_file(base_dir / "model.safetensors")
-    vocab = base["lm_head.weight"].shape[0]
-    g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(5, vocab, (16,), generator=g).tolist() for _ in range(8)]
+    base_dir, base, prompts = check_model(work)
     sampling = SamplingParams(temperature=0.7)
     settings = VLLMSettings(
         python=python,

@@ -8,7 +8,10 @@ import time
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 from transformers import Qwen3ForCausalLM
+
+from canopy.tools.tiny_model import build_tiny_checkpoint
 
 FAILED = []
 GAPS = {}  # check name -> mean |server logprob - HF float32 logprob| at the sampling temperature
@@ -79,3 +82,23 @@ def check_samples(
         ok = ok and old > 5 * max(same, 0.01) and at_t1 > 3 * max(same, 0.01) and changed > 0
     report(ok, name, detail)
     return generations
+
+
+def check_model(work: Path) -> tuple[Path, dict[str, torch.Tensor], list[list[int]]]:
+    """A small random Qwen3 under `work` (head_dim 64, which every SGLang and vLLM attention backend supports), its
+    weights, and 8 random prompts of 16 tokens."""
+    base_dir = build_tiny_checkpoint(
+        work / "base",
+        hidden_size=256,
+        layers=2,
+        heads=4,
+        kv_heads=2,
+        intermediate_size=768,
+        max_position_embeddings=4096,
+        pad_vocab_multiple=64,
+        seed=0,
+    )
+    base = load_file(base_dir / "model.safetensors")
+    vocab = base["lm_head.weight"].shape[0]
+    g = torch.Generator().manual_seed(1)
+    return base_dir, base, [torch.randint(5, vocab, (16,), generator=g).tolist() for _ in range(8)]

@@ -50,8 +50,10 @@ class SlowRollouts(RolloutDataModule):
 
 
 def rank_main(rank: int, port: int, scenario: str, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+    # the rendezvous may wait long for the other rank's start (a loaded machine); the collectives time out at 2 s
+    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=timedelta(seconds=60))
+    timeout = timedelta(seconds=COLLECTIVE_TIMEOUT_S)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=timeout)
     import torchtitan.distributed.parallel_dims as parallel_dims_module
     from torchtitan.distributed import ParallelDims
 

@@ -95,6 +95,22 @@ def complete_update(
         )
 
 
+def buckets(
+    named_tensors: Iterable[tuple[str, torch.Tensor]], device, dtype: torch.dtype | None, bucket_bytes: int
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """The stream in buckets of about `bucket_bytes`, each tensor contiguous on `device` in `dtype` (None: its own):
+    what a broadcast weight sync sends per request, holding one bucket at a time."""
+    bucket, size = [], 0
+    for name, tensor in named_tensors:
+        bucket.append((name, tensor.detach().to(device, dtype or tensor.dtype).contiguous()))
+        size += bucket[-1][1].nbytes
+        if size >= bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+    if bucket:
+        yield bucket
+
+
 def remove_other_versions(sync_dir: Path, version: int) -> None:
     """Delete the weight folders `<sync_dir>/v<n>` of every version but `version` (the servers now serve it)."""
     for old in Path(sync_dir).glob("v*"):

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from canopy.models.hf_checkpoint import (
+    buckets,
     checkpoint_dtype,
     checkpoint_weight_names,
     complete_update,
@@ -100,7 +101,8 @@ class WeightSync:
         self.fleet.for_all("/pause_generation", {"mode": "abort"})
         self.fleet.for_all("/begin_weight_update", {})
         pending = None  # one bucket held back, so the last one can carry the new weight_version
-        for bucket in self._buckets(named_tensors):
+        device = "cuda" if self.settings.sync_backend == "nccl" else "cpu"
+        for bucket in buckets(named_tensors, device, self.sync_dtype, self.bucket_bytes):
             if pending is not None:
                 self._send_bucket(pending, None)
             pending = bucket
@@ -136,18 +138,6 @@ class WeightSync:
             for reply in replies:
                 reply.result()
         return group
-
-    def _buckets(self, named_tensors: Iterator[tuple[str, torch.Tensor]]) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        device = "cuda" if self.settings.sync_backend == "nccl" else "cpu"
-        bucket, size = [], 0
-        for name, tensor in named_tensors:
-            bucket.append((name, tensor.detach().to(device, self.sync_dtype or tensor.dtype).contiguous()))
-            size += bucket[-1][1].nbytes
-            if size >= self.bucket_bytes:
-                yield bucket
-                bucket, size = [], 0
-        if bucket:
-            yield bucket
 
     def _send_bucket(self, bucket: list[tuple[str, torch.Tensor]], weight_version: str | None) -> None:
         """Every server posts the bucket's metadata, then receives its tensors as the trainer broadcasts them."""

@@ -14,13 +14,14 @@ report the new version:
 import contextlib
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
 from canopy.models.hf_checkpoint import (
+    buckets,
     checkpoint_dtype,
     checkpoint_weight_names,
     complete_update,
@@ -115,13 +116,14 @@ class NCCLWeightSync:
         try:
             targets = self._for_each(targets, failed, "/pause?mode=abort&clear_cache=true", {})
             targets = self._for_each(targets, failed, "/start_weight_update", {})
-            for bucket in self._buckets(complete_update(named_tensors, self.weight_names, version)):
+            stream = complete_update(named_tensors, self.weight_names, version)
+            for bucket in buckets(stream, self.transport.device, self.sync_dtype, self.bucket_bytes):
                 targets = self._send(bucket, targets, failed)
             targets = self._for_each(targets, failed, "/finish_weight_update", {"weight_version": str(version)})
             targets = self._for_each(targets, failed, "/reset_prefix_cache", {})
             targets = self._for_each(targets, failed, "/resume", {})
         except BaseException:  # the stream broke off mid-transfer: every server may hold a mix of two versions
-            for server in list(self.groups):
+            for server in [*targets, *failed]:
                 self._drop(server)
                 self.eject(server)
             raise
@@ -200,19 +202,6 @@ class NCCLWeightSync:
                 failed[server] = error
                 self._drop(server)
         return [server for server, error in zip(targets, errors) if error is None]
-
-    def _buckets(self, named_tensors: Iterator[tuple[str, torch.Tensor]]) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        bucket, size = [], 0
-        for name, tensor in named_tensors:
-            bucket.append(
-                (name, tensor.detach().to(self.transport.device, self.sync_dtype or tensor.dtype).contiguous())
-            )
-            size += bucket[-1][1].nbytes
-            if size >= self.bucket_bytes:
-                yield bucket
-                bucket, size = [], 0
-        if bucket:
-            yield bucket
 
     def _send(self, bucket: list[tuple[str, torch.Tensor]], targets: list[Server], failed: dict) -> list[Server]:
         """Each target's workers post the bucket's metadata and receive its tensors as the trainer broadcasts them
