@@ -19,7 +19,7 @@ SWE_PACKAGES := swebench==5.0.2 unidiff==0.7.5 mini-swe-agent==1.17.5
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(SYSTEM_PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -c constraints.txt -e '.[test,loggers]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[test,loggers,rgym]'
 	$(PY) -m pip install -q -c constraints.txt --no-deps $(SWE_PACKAGES)
 	$(PY) -m pip install -q -c constraints.txt ray==2.52.0   # environments on Ray nodes (env.ray.address)
 	touch $(STAMP)

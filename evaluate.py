@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import hydra
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from canopy.build import (
     build_engine,
@@ -19,9 +19,10 @@ from canopy.build import (
     build_trajectory_log,
     ensure_model,
 )
-from canopy.config import check_command_line, mean_group_size, validate, validate_eval
+from canopy.config import check_command_line, check_context, mean_group_size, validate, validate_eval
 from canopy.envs.base import SystemicFaultError
 from canopy.errors import ConfigError
+from canopy.eval.from_run import inherited_overrides
 from canopy.eval.pilot import format_pilot, pilot_report
 from canopy.eval.runner import budget_label, checkpoint_weights, evaluation, sample_runs, write_results
 from canopy.rollout.agent_loop import Budget
@@ -46,6 +47,7 @@ def main(cfg: DictConfig) -> None:
         env = build_env(cfg, log_dir=out_dir / "env_logs")  # checks the environment's own keys; starts nothing yet
         base_path = ensure_model(cfg)
         model_path, weights = checkpoint_weights(cfg.checkpoint, base_path) if cfg.checkpoint else (base_path, None)
+        check_context(cfg, model_path, training=False)  # the budget fits the model's positions (or YaRN covers them)
         tokenizer = build_tokenizer(cfg, model_path)
         engine = build_engine(cfg, model_path, tokenizer)  # applies budget.rope_scaling (YaRN) when set
         tasks = env.tasks(cfg.data.split if cfg.pilot else cfg.split)
@@ -72,6 +74,19 @@ def main(cfg: DictConfig) -> None:
 def run(cfg: DictConfig, env, engine, tokenizer, tasks, out_dir: Path, trajectory_log=None) -> None:
     """The pilot (per-tier base success and Eq. 5's group size) or the evaluation (Table 3 rows, Fig. 5)."""
     budget, sampling = Budget.of(cfg.budget), SamplingParams.of(cfg.sampling)
+    used = {  # printed now and recorded with the results
+        "env": cfg.env.name,
+        "model_family": cfg.model.family,
+        "budget_config": OmegaConf.to_container(cfg.budget, resolve=True),
+        "sampling": OmegaConf.to_container(cfg.sampling, resolve=True),
+    }
+    print(
+        f"{'pilot' if cfg.pilot else 'evaluation'} on env {used['env']} ({cfg.model.family}), budget "
+        f"{budget_label(cfg.budget)} with a {cfg.budget.max_context_tokens:,}-token context"
+        + (f" and rope_scaling {used['budget_config']['rope_scaling']}" if cfg.budget.rope_scaling else "")
+        + ", sampling "
+        + " ".join(f"{k}={v}" for k, v in used["sampling"].items())
+    )
     if cfg.pilot:
         runs = sample_runs(
             engine,
@@ -92,7 +107,7 @@ def run(cfg: DictConfig, env, engine, tokenizer, tasks, out_dir: Path, trajector
             outcomes = [o for t in tasks if t.tier == tier for o in runs.get(t.task_id, [])]
             rates[f"tier{tier}"] = (sum(outcomes) / max(1, len(outcomes)), len(outcomes))
         groups = list(cfg.pilot_group_sizes)
-        report = pilot_report(rates, cfg.tau, groups)
+        report = {**pilot_report(rates, cfg.tau, groups), **used}
         (out_dir / "pilot.json").write_text(json.dumps(report, indent=2))
         plot_coverage(out_dir / "fig2_coverage.png", mean_group_size(cfg), {t: p for t, (p, _) in rates.items()})
         print(
@@ -123,6 +138,7 @@ def run(cfg: DictConfig, env, engine, tokenizer, tasks, out_dir: Path, trajector
         budget=budget_label(cfg.budget),
         split=cfg.split,
         k=cfg.k,
+        **used,
     )
     results = ([json.loads(Path(cfg.transfer_from).read_text())[0]] if cfg.transfer_from else []) + [result]
     json_path, md_path = write_results(out_dir, "eval", [result])
@@ -131,8 +147,12 @@ def run(cfg: DictConfig, env, engine, tokenizer, tasks, out_dir: Path, trajector
 
 
 if __name__ == "__main__":
+    run_dir, inherited = inherited_overrides(sys.argv[1:])  # the trained run's experiment, environment and model
+    sys.argv[1:] = inherited + sys.argv[1:]  # before the command line's own, which win
     try:
         check_command_line(sys.argv[1:], "evaluate")  # a typo'd key or option: one line, before Hydra's report
     except ConfigError as error:
         sys.exit(f"config error: {error}")
+    if run_dir is not None:
+        print(f"from the run {run_dir}: {' '.join(inherited) or '(its defaults)'}")
     main()

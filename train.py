@@ -17,7 +17,7 @@ from canopy.build import (
     ensure_model,
 )
 from canopy.callbacks import FormatDriftError, RolloutViewer, build_callbacks
-from canopy.config import check_command_line, mean_group_size, validate
+from canopy.config import check_command_line, check_context, mean_group_size, validate
 from canopy.envs.base import SystemicFaultError
 from canopy.errors import ConfigError
 from canopy.loggers import build_loggers, finish_loggers
@@ -39,6 +39,7 @@ def main(cfg: DictConfig) -> None:
         validate(cfg)
         env = build_env(cfg, log_dir=run_dir / "env_logs")  # checks the environment's own keys; starts nothing yet
         model_path = ensure_model(cfg)
+        check_context(cfg, model_path)  # the budgets fit the model's positions (or their YaRN covers them)
         check_memory(cfg, model_path)  # a GPU run that cannot fit stops here, before any rollout
         engine = build_engine_handle(cfg, model_path)  # the run's one engine, lent to the data and the module
         datamodule = build_datamodule(cfg, model_path, engine, env, trajectory_dir=run_dir / "trajectories")

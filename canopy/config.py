@@ -13,13 +13,14 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBase
 
 from canopy.callbacks.budget_transfer import EvalSettings
 from canopy.datamodules.rollout import DataSettings
-from canopy.envs import available, environment_module
+from canopy.envs import built_in, built_in_environments, environment_module
 from canopy.envs.pool import PoolSettings, check_serving
 from canopy.envs.ray_pool import RaySettings
 from canopy.envs.sandbox import SandboxLimits
 from canopy.errors import ConfigError, is_int, require
 from canopy.mismatch import RolloutCorrection
 from canopy.models import MODEL_FAMILIES, ModelSettings
+from canopy.models.hf_checkpoint import native_positions
 from canopy.modules.canopy_module import (  # the module checks CP_* again
     CP_NEEDS_GPU,
     CP_SEQ_MEAN,
@@ -33,6 +34,7 @@ from canopy.rollout.engine import SamplingParams
 from canopy.rollout.sglang import SGLangSettings
 from canopy.rollout.vllm import VLLMSettings
 from canopy.tools.summary import ReportSettings
+from canopy.tools.tiny_model import TINY_TOKENIZERS
 from canopy.trajectories import TrajectorySettings
 
 ENGINES = ("local", "sglang", "vllm")
@@ -44,7 +46,7 @@ SCHEMAS = (
     RolloutCorrection,
     SGLangSettings,
     VLLMSettings,
-) + tuple(settings for name in available() if (settings := getattr(environment_module(name), "SETTINGS", None)))
+) + tuple(settings for env in built_in_environments().values() if (settings := getattr(env, "SETTINGS", None)))
 """Components whose settings dataclass is the schema of their config node and holds its only defaults (an
 environment's is its module's `SETTINGS`). Each is composed in as `schema@<node>: <Class>` (conf/train.yaml; an
 environment's in conf/env/<name>.yaml), the YAML setting only what differs (`python train.py --cfg job` prints
@@ -102,6 +104,9 @@ def check_command_line(argv: list[str], name: str) -> None:
     try:
         compose_config(argv, name)
     except (HydraException, OmegaConfBaseException) as error:
+        for env in set(built_in()) - set(built_in_environments()):  # a module of canopy/envs/ that does not import
+            if f"env/{env}" in str(error):
+                environment_module(env)  # raises the line naming what to install
         raise ConfigError(composition_error(error, name)) from error
 
 
@@ -201,10 +206,15 @@ def validate(cfg: DictConfig) -> None:
         is_int(cfg.checkpoint.every_n_steps) and cfg.checkpoint.every_n_steps >= 0,
         f"checkpoint.every_n_steps={cfg.checkpoint.every_n_steps} must be 0 (off) or a positive integer",
     )
-    environment_module(cfg.env.name)
+    environment_module(cfg.env.name, cfg.env.requires)
     check_serving(cfg.env)
     require(cfg.engine.name in ENGINES, f"engine.name={cfg.engine.name!r} is unknown: use one of {', '.join(ENGINES)}")
     settings(cfg, "model").validate()
+    tokenizer = (cfg.model.tiny or {}).get("tokenizer", "word")
+    require(
+        cfg.model.path is not None or tokenizer in TINY_TOKENIZERS,
+        f"model.tiny.tokenizer={tokenizer!r} is unknown: use {' or '.join(TINY_TOKENIZERS)} (byte reads any text)",
+    )
     MODEL_FAMILIES[cfg.model.family].require_context_parallel(p.cp)
     if cfg.engine.name == "sglang":
         SGLangSettings(**cfg.engine.sglang).validate(cfg.trainer.accelerator, cfg.trainer.devices)
@@ -229,6 +239,15 @@ def validate(cfg: DictConfig) -> None:
             is_int(cfg.engine.session_tokens) and cfg.engine.session_tokens >= 0,
             f"engine.session_tokens={cfg.engine.session_tokens!r} must be an integer >= 0 (0: no sessions kept)",
         )
+
+
+def check_context(cfg: DictConfig, model_path: str, training: bool = True) -> None:
+    """The run's budget fits the model at `model_path` (`BudgetSettings.check_context`), and in training so does the
+    enlarged budget that the budget-transfer callback evaluates at: refused at start, not after the training."""
+    native = native_positions(model_path)
+    settings(cfg, "budget").check_context(native)
+    if training and cfg.callbacks.get("budget_transfer") is not None:
+        OmegaConf.to_object(cfg.eval.enlarged.budget).check_context(native, "eval.enlarged.budget")
 
 
 def validate_eval(cfg: DictConfig) -> None:

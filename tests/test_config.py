@@ -202,7 +202,7 @@ def test_environments_and_engines_are_config_groups_over_one_registry():
     from canopy.envs import available, environment_factory
 
     # the modules of canopy/envs/ defining ENVIRONMENT
-    assert available() == ["appworld", "embedded", "python_tasks", "swebench"]
+    assert available() == ["appworld", "embedded", "python_tasks", "rgym", "swebench"]
     assert environment_factory("python_tasks") == "canopy.envs.python_tasks:PythonTaskEnvironment"
     appworld = config("env=appworld", "engine=sglang")
     assert (appworld.env.name, appworld.env.pool.workers, appworld.engine.name) == ("appworld", 64, "sglang")

@@ -10,6 +10,7 @@ which the module checks against its own before it learns from the batch.
 import functools
 import itertools
 import random
+import warnings
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
@@ -366,6 +367,7 @@ class RolloutDataModule(L.LightningDataModule):
         self.split, self.drop_hardest, self.hardest_tier = split, drop_hardest, hardest_tier
         self.sampler_state = {"epoch": 0, "position": 0}
         self.step = 0
+        self.warned_unreadable = False
 
     @functools.cached_property
     def tasks(self) -> list[Task]:
@@ -484,5 +486,24 @@ class RolloutDataModule(L.LightningDataModule):
         batch.metrics.update({f"time/{k}": v for k, v in timings.items()})
         counts = Counter(getattr(self.engine, "counters", {}))
         batch.metrics.update({f"engine/{k}": counts[k] - counted[k] for k in counts})
+        self.check_readable(trajectories, batch.metrics)
         self.step += 1
         return batch
+
+    def check_readable(self, trajectories: list[Trajectory], metrics: dict) -> None:
+        """`health/unknown_prompt_frac`: the share of the step's prompt and observation tokens (special tokens
+        aside) that are the tokenizer's unknown token; past half, once per run, a warning that the policy cannot
+        read the environment."""
+        unk, special = self.tokenizer.unk_token_id, set(self.tokenizer.all_special_ids) - {self.tokenizer.unk_token_id}
+        if unk is None:  # a byte-level tokenizer encodes any text
+            return
+        read = [t for e in trajectories for t, mask in zip(e.token_ids, e.action_mask) if not mask and t not in special]
+        metrics["health/unknown_prompt_frac"] = share = sum(token == unk for token in read) / max(1, len(read))
+        if share > 0.5 and not self.warned_unreadable:
+            self.warned_unreadable = True
+            warnings.warn(
+                f"rollout step {self.step}: {share:.0%} of the prompts' tokens are the tokenizer's unknown token "
+                f"{self.tokenizer.unk_token!r}, so the policy cannot read this environment's text: with the embedded "
+                "tiny model, set model.tiny.tokenizer=byte model.tiny.format_warmup_steps=0",
+                stacklevel=2,
+            )

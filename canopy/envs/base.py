@@ -25,7 +25,7 @@ class Verdict:
     ended where an environment distinguishes (SWE-bench: resolved, unresolved, no_submission, ...); `fixed_reward`
     overrides both reward kinds for endings that leave nothing to test (Table A3's -0.2). `tamper` says what the
     grader did with a submission that changed how its tests run (`restored` them, or `rejected` it untested), and
-    `tampered` names what it changed."""
+    `tampered` names what it changed. A verifier that scores instead of testing gives `score` (`from_score`)."""
 
     passed: int
     total: int
@@ -33,6 +33,17 @@ class Verdict:
     fixed_reward: float | None = None
     tamper: str = ""
     tampered: tuple[str, ...] = ()
+    score: float | None = None
+
+    @classmethod
+    def from_score(cls, score: float, solved_at: float = 1.0, outcome: str = "") -> "Verdict":
+        """A float verifier's verdict (reasoning-gym's `score_answer`, a judge in [0, 1]): one test, passed when the
+        score reaches `solved_at`, so the sparse reward (Eq. 2) and success are `score >= solved_at`; the dense
+        reward (Eq. 1) is the score itself."""
+        score = float(score)
+        if not 0.0 <= score <= 1.0:  # NaN fails this too
+            raise ValueError(f"a verifier's score must lie in [0, 1], got {score!r}: rescale it in the environment")
+        return cls(passed=int(score >= solved_at), total=1, outcome=outcome, score=score)
 
     @property
     def success(self) -> bool:
@@ -46,6 +57,8 @@ class Verdict:
             return self.fixed_reward
         if kind == "sparse":
             return float(self.success)
+        if self.score is not None:
+            return self.score
         return self.passed / self.total if self.total else 0.0
 
 

@@ -95,6 +95,12 @@ def complete_update(
         )
 
 
+def native_positions(model_path: str | Path) -> int:
+    """The checkpoint's own context (config.json's max_position_embeddings)."""
+    config = json.loads((Path(model_path) / "config.json").read_text())
+    return int(config.get("max_position_embeddings") or config.get("text_config", {})["max_position_embeddings"])
+
+
 def buckets(
     named_tensors: Iterable[tuple[str, torch.Tensor]], device, dtype: torch.dtype | None, bucket_bytes: int
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:

@@ -71,6 +71,32 @@ class BudgetSettings:
             f"{key}.max_context_tokens={self.max_context_tokens}",
         )
 
+    def check_context(self, native: int, key: str = "budget") -> None:
+        """The context fits the model's `native` positions, or the budget's RoPE scaling (YaRN) stretches that
+        model's positions to cover it: a budget past what the model was built for is refused, never run."""
+        context, scaling = self.max_context_tokens, self.rope_scaling
+        group = "budget" if key == "budget" else f"budget@{key.removesuffix('.budget')}"  # its config group
+        if scaling is None:
+            require(
+                context <= native,
+                f"{key}={self.name} asks for a {context:,}-token context, past the model's {native:,} positions: pick "
+                f"a budget within them (the embedded model's enlarged one is {group}=embedded_enlarged), or one whose "
+                "rope_scaling (YaRN) covers it, as conf/budget/enlarged.yaml has",
+            )
+            return
+        original, factor = scaling.get("original_max_position_embeddings", native), scaling.get("factor", 1.0)
+        require(
+            original == native,
+            f"{key}={self.name}'s rope_scaling stretches {original:,} positions, but the model has {native:,}: it was "
+            f"written for another model; pick a budget for this one (the embedded model's: {group}=embedded_enlarged)",
+        )
+        require(
+            context <= original * factor,
+            f"{key}={self.name} asks for a {context:,}-token context, past the {original * factor:,.0f} positions its "
+            f"rope_scaling (x{factor} over {original:,}) covers: raise {key}.rope_scaling.factor to at least "
+            f"{context / original:.2f} or shorten {key}.max_context_tokens",
+        )
+
 
 @dataclass
 class Trajectory:

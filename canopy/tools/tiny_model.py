@@ -1,5 +1,6 @@
-"""Build a tiny HF-format Qwen3 checkpoint locally: config.json, model.safetensors and a word-level tokenizer
-with Qwen's special tokens and chat template. Used by the embedded default and the tests; nothing is downloaded.
+"""Build a tiny HF-format Qwen3 checkpoint locally: config.json, model.safetensors and a word-level (the vault
+world's words) or byte-level (any text) tokenizer with Qwen's special tokens and chat template. Used by the
+embedded default and the tests; nothing is downloaded.
 
 The weights are randomly initialized. With `--format-warmup-steps N > 0` the random model is then briefly
 "pretrained" on transcripts of the embedded vault world in which every assistant reply first restates the
@@ -9,7 +10,8 @@ time in ten. The base model learns the reply format, as a real base model knows 
 not which command solves a task: that is what RL has to find, and the base policy's success stays at the
 random-policy rates.
 
-    python -m canopy.tools.tiny_model OUT_DIR [--hidden-size 64 --layers 2 --format-warmup-steps 0 --seed 0]
+    python -m canopy.tools.tiny_model OUT_DIR [--hidden-size 64 --layers 2 --format-warmup-steps 0 --tokenizer word
+                                              --seed 0]
 """
 
 import argparse
@@ -64,10 +66,12 @@ def build_tokenizer(words=VOCABULARY, pad_vocab_multiple: int = 1) -> PreTrained
     )
 
 
-def build_byte_tokenizer() -> PreTrainedTokenizerFast:
+def build_byte_tokenizer(pad_vocab_multiple: int = 1) -> PreTrainedTokenizerFast:
     """Byte-level tokenizer (one id per byte, no merges) with Qwen's special tokens and chat template: it
-    encodes any text exactly, e.g. the code actions of the fault soak."""
-    vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS + sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    encodes any text exactly (an environment's prompts, the code actions of the fault soak). Padded as above."""
+    tokens = SPECIAL_TOKENS + sorted(pre_tokenizers.ByteLevel.alphabet())
+    tokens += [f"<|reserved_{i}|>" for i in range(-len(tokens) % pad_vocab_multiple)]
+    vocab = {token: i for i, token in enumerate(tokens)}
     model = Tokenizer(BPE(vocab=vocab, merges=[]))
     model.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     model.decoder = decoders.ByteLevel()
@@ -75,6 +79,9 @@ def build_byte_tokenizer() -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(
         tokenizer_object=model, eos_token="<|im_end|>", pad_token="<|endoftext|>", chat_template=CHAT_TEMPLATE
     )
+
+
+TINY_TOKENIZERS = {"word": build_tokenizer, "byte": build_byte_tokenizer}  # model.tiny.tokenizer
 
 
 def random_command_transcripts(
@@ -101,8 +108,9 @@ def random_command_transcripts(
             reply = [status] + reply  # restate the status, then act
             if declare_done:  # restate the goal's last word too: the right command depends on both
                 reply = [GOAL_TEXT[episode.goal_end - 1].split()[-1]] + reply
-            ids += [tokenizer.convert_tokens_to_ids(word) for word in reply] + [im_end]
-            mask += [1] * (len(reply) + 1)
+            reply_ids = tokenizer.encode(" ".join(reply), add_special_tokens=False) + [im_end]
+            ids += reply_ids
+            mask += [1] * len(reply_ids)
             result = episode.step(" ".join(reply[1 + declare_done :]))
             if result.done:
                 break
@@ -147,16 +155,18 @@ def build_tiny_checkpoint(
     max_position_embeddings: int = 2048,
     format_warmup_steps: int = 0,
     pad_vocab_multiple: int = 1,
+    tokenizer: str = "word",
     family: str = DEFAULT_FAMILY,
     warmup_turns: int = 5,
     declare_done: bool = False,
     seed: int = 0,
 ) -> Path:
     """Write a randomly initialized (optionally format-warmed) model of `family` (`canopy.models`: its
-    `ModelSpec.tiny_model`) in HF format and its tokenizer, atomically."""
+    `ModelSpec.tiny_model`) in HF format and its tokenizer, atomically. `tokenizer`: `word` reads and writes the
+    vault world's words only (any other word is `<unk>`); `byte` reads and writes any text, one token per byte."""
     out_dir = Path(out_dir)
     spec = get_family(family, key="model.tiny.family")
-    tokenizer = build_tokenizer(pad_vocab_multiple=pad_vocab_multiple)
+    tokenizer = TINY_TOKENIZERS[tokenizer](pad_vocab_multiple=pad_vocab_multiple)
     shared = dict(
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,
@@ -191,6 +201,7 @@ def main() -> None:
     parser.add_argument("--hidden-size", type=int, default=64)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--format-warmup-steps", type=int, default=0)
+    parser.add_argument("--tokenizer", choices=sorted(TINY_TOKENIZERS), default="word")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     path = build_tiny_checkpoint(
@@ -198,9 +209,10 @@ def main() -> None:
         hidden_size=args.hidden_size,
         layers=args.layers,
         format_warmup_steps=args.format_warmup_steps,
+        tokenizer=args.tokenizer,
         seed=args.seed,
     )
-    print(json.dumps({"path": str(path), "vocab_size": len(build_tokenizer())}))
+    print(json.dumps({"path": str(path), "vocab_size": len(TINY_TOKENIZERS[args.tokenizer]())}))
 
 
 if __name__ == "__main__":

@@ -15,16 +15,11 @@ Launch flags that make the returned logprobs what the trainer scores and keep th
 import json
 from pathlib import Path
 
+from canopy.models.hf_checkpoint import native_positions
 from canopy.rollout.engine import Generation, SamplingParams
 from canopy.rollout.http.fleet import Fleet
 from canopy.rollout.http.routing import Aborted, StaleSampleError
 from canopy.rollout.vllm.settings import VLLMSettings
-
-
-def native_positions(model_path: str | Path) -> int:
-    """The checkpoint's own context (config.json's max_position_embeddings)."""
-    config = json.loads((Path(model_path) / "config.json").read_text())
-    return int(config.get("max_position_embeddings") or config.get("text_config", {})["max_position_embeddings"])
 
 
 def launch_command(
