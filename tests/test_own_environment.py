@@ -87,6 +87,11 @@ def test_an_environment_outside_the_tree_is_found_by_import_path_or_entry_point(
     by_path, by_entry_point = environment_module("mypkg.letters"), environment_module("letters")
     assert by_path is by_entry_point and by_path.__file__ == str(own_package / "mypkg" / "letters.py")
     assert environment_kwargs(OmegaConf.create({"name": "mypkg.letters"})) == {}
+    (own_package / "mypkg" / "keyed.py").write_text(
+        LETTERS_ENV + "\ndef environment_kwargs(env):\n    return {'letters': env.letters, 'n': 2}\n"
+    )
+    kwargs = environment_kwargs(OmegaConf.create({"name": "mypkg.keyed", "letters": ["e", "t"]}))
+    assert kwargs == {"letters": ["e", "t"], "n": 2} and type(kwargs["letters"]) is list  # plain, for the workers
     with pytest.raises(ConfigError) as missing:
         environment_module("mypkg.needs_missing")
     assert str(missing.value) == (

@@ -115,11 +115,15 @@ def environment_module(name: str, requires=()):
 
 
 def environment_kwargs(env) -> dict:
-    """The environment's own `env.*` keys, checked by its module; returns its keyword arguments. Raises
-    `ConfigError` with the fix."""
+    """The environment's own `env.*` keys, checked by its module; returns its keyword arguments as plain values
+    (an OmegaConf list or dict among them converted: a pool sends them to its workers as JSON). Raises `ConfigError`
+    with the fix."""
+    from omegaconf import OmegaConf
+
     module = environment_module(env.name, env.get("requires"))
     own = getattr(module, "environment_kwargs", None)
-    return own(env) if own is not None else {}
+    kwargs = own(env) if own is not None else {}
+    return {k: OmegaConf.to_container(v, resolve=True) if OmegaConf.is_config(v) else v for k, v in kwargs.items()}
 
 
 def environment_factory(name: str) -> str:
