@@ -3,6 +3,7 @@ the key named."""
 
 import dataclasses
 import difflib
+import json
 from pathlib import Path
 
 from hydra import compose, initialize_config_dir
@@ -18,6 +19,7 @@ from canopy.envs.pool import PoolSettings, check_serving
 from canopy.envs.ray_pool import RaySettings
 from canopy.envs.sandbox import SandboxLimits
 from canopy.errors import ConfigError, is_int, require
+from canopy.eval.runner import check_checkpoint
 from canopy.mismatch import RolloutCorrection
 from canopy.models import MODEL_FAMILIES, ModelSettings
 from canopy.models.hf_checkpoint import native_positions
@@ -28,6 +30,7 @@ from canopy.modules.canopy_module import (  # the module checks CP_* again
     OptimSettings,
     TrainerSettings,
 )
+from canopy.modules.checkpoint import checkpoint_kind
 from canopy.modules.parallel import ParallelSettings
 from canopy.rollout.agent_loop import BudgetSettings
 from canopy.rollout.engine import SamplingParams
@@ -157,6 +160,14 @@ def unknown_keys(node: DictConfig, prefix: str = ""):
             yield from unknown_keys(child, f"{prefix}{key}.")
 
 
+def layout_example(t, p) -> str:
+    """Overrides that make parallelism's product the run's GPUs (trainer.devices x num_nodes): dp_shard over a
+    node's GPUs, dp_replicate over the nodes, tp and cp kept where they divide a node's GPUs."""
+    tp, cp = (p.tp, p.cp) if t.devices % (p.tp * p.cp) == 0 else (1, 1)
+    target = {"dp_replicate": t.num_nodes, "dp_shard": t.devices // (tp * cp), "tp": tp, "cp": cp}
+    return " ".join(f"parallelism.{key}={value}" for key, value in target.items() if p[key] != value)
+
+
 def validate(cfg: DictConfig) -> None:
     """Check the run's config; raise ConfigError with the fix on the first bad value. Each component's settings
     check their own keys (`validate` beside their fields); the checks that span components are here."""
@@ -181,27 +192,16 @@ def validate(cfg: DictConfig) -> None:
     require(
         world == t.devices * t.num_nodes,
         f"parallelism.dp_replicate={p.dp_replicate} x dp_shard={p.dp_shard} x tp={p.tp} x cp={p.cp} = {world} must "
-        f"equal trainer.devices={t.devices} x trainer.num_nodes={t.num_nodes}: e.g. `trainer.devices=2 "
-        "parallelism.dp_shard=2`, or across nodes `parallelism.dp_replicate=<nodes> parallelism.dp_shard=<devices>`",
+        f"equal trainer.devices={t.devices} x trainer.num_nodes={t.num_nodes}: e.g. `{layout_example(t, p)}` for "
+        "these GPUs (dp_shard over a node's GPUs, dp_replicate over the nodes), or set trainer.devices to match",
     )
     require(
         p.tp * p.cp <= t.devices and t.devices % (p.tp * p.cp) == 0,
         f"parallelism.tp={p.tp} x cp={p.cp} must divide trainer.devices={t.devices}: tensor and context parallel "
         "groups stay inside one node (NVLink); span nodes with dp_shard or dp_replicate",
     )
-    resume = cfg.checkpoint.resume
-    require(
-        resume is None or Path(resume).exists(),
-        f"checkpoint.resume '{resume}' does not exist: pass a .ckpt written by checkpoint.every_n_steps (e.g. "
-        ".../checkpoints/last.ckpt)",
-    )
-    require(
-        resume is None
-        or not Path(resume).is_dir()
-        or all((Path(resume) / f).is_file() for f in (".metadata", "meta.pt")),
-        f"checkpoint.resume '{resume}' is a sharded checkpoint whose save did not finish (no .metadata or meta.pt): "
-        "resume from an earlier complete one, e.g. the previous .../checkpoints/step<N>.ckpt",
-    )
+    if cfg.checkpoint.resume is not None:
+        check_resume(cfg.checkpoint.resume)
     require(
         is_int(cfg.checkpoint.every_n_steps) and cfg.checkpoint.every_n_steps >= 0,
         f"checkpoint.every_n_steps={cfg.checkpoint.every_n_steps} must be 0 (off) or a positive integer",
@@ -209,6 +209,14 @@ def validate(cfg: DictConfig) -> None:
     environment_module(cfg.env.name, cfg.env.requires)
     check_serving(cfg.env)
     require(cfg.engine.name in ENGINES, f"engine.name={cfg.engine.name!r} is unknown: use one of {', '.join(ENGINES)}")
+    path = cfg.model.path
+    kind = checkpoint_kind(path) if path is not None else None
+    require(
+        kind not in ("ckpt", "sharded"),
+        f"model.path '{path}' is a Lightning training checkpoint, not an HF model directory: set model.path to its "
+        f"run's base model and pass it as checkpoint.resume={path} (train.py)"
+        + (f" or checkpoint={path} (evaluate.py)" if kind == "ckpt" else "; evaluate.py takes the run's final_hf"),
+    )
     settings(cfg, "model").validate()
     tokenizer = (cfg.model.tiny or {}).get("tokenizer", "word")
     require(
@@ -255,12 +263,39 @@ def validate_eval(cfg: DictConfig) -> None:
     require(is_int(cfg.k) and cfg.k >= 1, f"k={cfg.k} must be a positive integer (runs per task for mean@k / best@k)")
     require(0 < cfg.tau < 1, f"tau={cfg.tau} must lie strictly between 0 and 1 (target coverage of Eq. 5)")
     require(is_int(cfg.pilot_samples) and cfg.pilot_samples >= 1, f"pilot_samples={cfg.pilot_samples} must be >= 1")
+    if cfg.checkpoint is not None:
+        check_checkpoint(cfg.checkpoint)
+    if cfg.transfer_from is not None:
+        check_transfer_from(cfg.transfer_from)
+
+
+def check_resume(path: str) -> None:
+    """`checkpoint.resume` is a checkpoint train.py can resume: a Lightning .ckpt or a finished sharded one."""
+    fix = "pass a checkpoint written by checkpoint.every_n_steps (e.g. <run dir>/checkpoints/last.ckpt)"
+    problems = {  # checkpoint_kind -> what is wrong with it, and the fix
+        "missing": f"does not exist: {fix}",
+        "hf": "is an HF model export (weights only: no optimizer, sampler or step to resume): start a new run from "
+        f"its weights with model.path={path}",
+        "unfinished": "is a sharded checkpoint whose save did not finish (no .metadata or meta.pt): resume from an "
+        "earlier complete one, e.g. the previous <run dir>/checkpoints/step<N>.ckpt",
+        "other": "is not a Lightning checkpoint (a .ckpt file, or a sharded checkpoint directory with .metadata and "
+        f"meta.pt): {fix}",
+    }
+    kind = checkpoint_kind(path)
+    require(kind in ("ckpt", "sharded"), f"checkpoint.resume '{path}' {problems.get(kind)}")
+
+
+EVAL_KEYS = {"policy", "budget", "split", "k", "metrics"}  # what Fig. 5 reads of an earlier evaluation
+
+
+def check_transfer_from(path: str) -> None:
+    """`transfer_from` is an eval.json that evaluate.py wrote: a list of records, the first of which Fig. 5 plots."""
+    require(Path(path).exists(), f"transfer_from '{path}' does not exist: pass an eval.json written by evaluate.py")
+    try:
+        records = json.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        records = None
     require(
-        cfg.checkpoint is None or Path(cfg.checkpoint).exists(),
-        f"checkpoint '{cfg.checkpoint}' does not exist: pass an HF checkpoint directory (e.g. <run dir>/final_hf) "
-        "or a .ckpt written by checkpoint.every_n_steps",
-    )
-    require(
-        cfg.transfer_from is None or Path(cfg.transfer_from).is_file(),
-        f"transfer_from '{cfg.transfer_from}' does not exist: pass an eval.json written by evaluate.py",
+        isinstance(records, list) and bool(records) and isinstance(records[0], dict) and EVAL_KEYS <= records[0].keys(),
+        f"transfer_from '{path}' is not an eval.json written by evaluate.py: pass one, e.g. <eval run dir>/eval.json",
     )

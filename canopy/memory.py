@@ -14,13 +14,16 @@ Per trainer GPU (E = this rank's share of the parameters: TP-sharded ones / tp, 
   for the caching allocator.
 Per SGLang GPU: bf16 weights / tp, then the KV cache (and Qwen3.5's recurrent state) that fits under
 `mem_fraction`, expressed as full-context episodes in flight.
+For a trainer that does not fit, `nearby_layouts` and `smallest_fix` find the smallest change of its layout that
+does (more TP or FSDP, more checkpointing, fewer tokens per micro-batch).
 """
 
 import json
 import math
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cache
+from itertools import product
 from pathlib import Path
 from typing import NamedTuple
 from unittest import mock
@@ -205,7 +208,13 @@ class ModelShape:
 def read_model_config(model_path: str | None, name: str | None) -> dict:
     """The config.json to plan with: the checkpoint's (`model.path`), else the shipped one of `model.name`."""
     if model_path is not None:
-        return json.loads((Path(model_path) / "config.json").read_text())
+        config = Path(model_path) / "config.json"
+        if not config.is_file():
+            raise ConfigError(
+                f"model.path '{model_path}' has no config.json: point it at an HF checkpoint directory (config.json "
+                "+ *.safetensors + tokenizer), or leave it unset to plan model.name"
+            )
+        return json.loads(config.read_text())
     known = sorted(p.stem for p in MODEL_CONFIGS.glob("*.json"))
     if name is None or not (MODEL_CONFIGS / f"{name}.json").is_file():
         raise ConfigError(
@@ -281,6 +290,85 @@ def trainer_plan(shape: ModelShape, layout: TrainerLayout) -> Plan:
     return Plan(tuple(terms), working)
 
 
+GPUS_PER_NODE = 8  # the most trainer GPUs per node the layout search proposes (or the run's own, if more)
+TP_SIZES = (1, 2, 4, 8)
+CHECKPOINTING = ("none", "selective", "full")  # each keeps less than the one before
+
+
+@dataclass(frozen=True)
+class Fix:
+    """A trainer layout near the config's: the overrides that give it, its trainer GPUs and its plan's total."""
+
+    overrides: dict[str, int | str]
+    gpus: int
+    total: float
+
+    def __str__(self) -> str:
+        return " ".join(f"{key}={value}" for key, value in self.overrides.items())
+
+
+def nearby_layouts(cfg, shape: ModelShape) -> list[Fix]:
+    """Every trainer layout a few keys from the config's, the smallest change first: fewest changed keys, then
+    fewest trainer GPUs, then the mildest (the largest plan). Searched: trainer.devices up to 8 per node on the
+    run's nodes, parallelism.dp_shard filling them, tp in 1, 2, 4, 8 dividing the model's heads, dp_replicate
+    folded into dp_shard, more activation checkpointing, trainer.micro_batch_tokens halved down to the context
+    (a longer sequence runs alone, so fewer tokens than that save nothing); cp and the nodes stay as they are."""
+    p, t = cfg.parallelism, cfg.trainer
+    base = TrainerLayout.from_config(cfg, device="cuda")
+    floor = min(t.micro_batch_tokens, base.max_context_tokens)
+    tokens = {max(t.micro_batch_tokens >> k, floor) for k in range(8)}
+    tps = {p.tp, *(n for n in TP_SIZES if all(heads % n == 0 for heads in head_counts(shape.hf)))}
+    modes = CHECKPOINTING[CHECKPOINTING.index(p.activation_checkpointing) :]
+    replicates = [n for n in range(1, p.dp_replicate + 1) if p.dp_replicate % n == 0]
+    current = layout_keys(base, t.devices)
+    fixes = []
+    for devices, replicate, tp, mode, micro in product(
+        range(1, max(GPUS_PER_NODE, t.devices) + 1), replicates, sorted(tps), modes, sorted(tokens)
+    ):
+        shard, rest = divmod(devices * t.num_nodes, replicate * tp * p.cp)
+        if rest or not shard or devices % (tp * p.cp):
+            continue
+        layout = replace(
+            base, dp_replicate=replicate, dp_shard=shard, tp=tp, activation_checkpointing=mode, micro_batch_tokens=micro
+        )
+        overrides = {key: value for key, value in layout_keys(layout, devices).items() if value != current[key]}
+        if overrides:
+            fixes.append(Fix(overrides, devices * t.num_nodes, trainer_plan(shape, layout).total))
+    return sorted(fixes, key=lambda fix: (len(fix.overrides), fix.gpus, -fix.total))
+
+
+def layout_keys(layout: TrainerLayout, devices: int) -> dict[str, int | str]:
+    """The config keys the layout search varies, with their values for `layout` on `devices` GPUs per node."""
+    return {
+        "trainer.devices": devices,
+        "parallelism.dp_replicate": layout.dp_replicate,
+        "parallelism.dp_shard": layout.dp_shard,
+        "parallelism.tp": layout.tp,
+        "parallelism.activation_checkpointing": layout.activation_checkpointing,
+        "trainer.micro_batch_tokens": layout.micro_batch_tokens,
+    }
+
+
+def head_counts(hf: dict) -> list[int]:
+    """The model's attention (and Gated DeltaNet) head counts, which TP splits evenly."""
+    text = hf.get("text_config") or hf
+    keys = ("num_attention_heads", "num_key_value_heads", "linear_num_key_heads", "linear_num_value_heads")
+    return [text[key] for key in keys if key in text]
+
+
+def smallest_fix(fixes: list[Fix], gpu_gib: float) -> Fix | None:
+    """The first of `nearby_layouts` whose plan fits a GPU of `gpu_gib` GiB, or None."""
+    return next((fix for fix in fixes if fix.total <= gpu_gib * GIB), None)
+
+
+def fix_line(fix: Fix | None, gpu_gib: float) -> str:
+    """A `smallest_fix` for a GPU of `gpu_gib` GiB, said in a few words."""
+    if fix is None:
+        return f"no layout near this one fits (up to {GPUS_PER_NODE} trainer GPUs per node): {FIXES[None]}"
+    total = fix.total / GIB
+    return f"`{fix}` ({fix.gpus} trainer GPUs, {total:.1f} GiB per GPU, {gpu_gib - total:.1f} GiB spare)"
+
+
 def logprob_head_bytes(tokens: int, vocab: int, hidden: int, chunk: int, compute_bytes: int) -> float:
     """The chunked logprob head's working set: two float32 [chunk, vocab] buffers, the hidden states' gradient,
     and in bf16 a float32 accumulator of the weight's gradient (in float32 it is the gradient itself)."""
@@ -353,11 +441,17 @@ def check_memory(cfg, model_path: str | None) -> None:
     plan = trainer_plan(shape, TrainerLayout.from_config(cfg, device="cuda"))
     if plan.total > gpu_gib * GIB:
         largest = plan.largest()
+        fix = smallest_fix(nearby_layouts(cfg, shape), gpu_gib)
         raise ConfigError(
             f"memory plan: the trainer needs {plan.total / GIB:.1f} GiB per GPU against {gpu_gib:.3g} GiB "
             f"({largest.name} {largest.bytes / GIB:.1f} GiB the largest term; `python -m canopy.tools.memory_plan` "
-            f"with the same overrides prints every term): {FIXES.get(largest.name, FIXES[None])}; "
-            "trainer.memory_check=false overrides"
+            "with the same overrides prints every term): "
+            + (
+                f"the smallest change that fits: {fix_line(fix, gpu_gib)}"
+                if fix
+                else FIXES.get(largest.name, FIXES[None])
+            )
+            + "; trainer.memory_check=false overrides"
         )
     served = gpu_servers(cfg)
     if served is not None and not served.settings.urls:  # servers this run launches, on its GPUs

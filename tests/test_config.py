@@ -3,6 +3,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from canopy.build import build_env
 from canopy.config import compose_config, validate
@@ -236,3 +237,49 @@ def test_no_std_reaches_the_data_modules_advantages(tiny_path):
 
     assert build_datamodule(config("ablation=no_std"), tiny_path).advantage_std is False
     assert build_datamodule(config(), tiny_path).advantage_std is True
+
+
+@pytest.mark.parametrize("value,shown", [("abc", "'abc'"), ("2.5", "2.5"), ("true", "True")])
+def test_a_group_size_that_is_not_an_integer_is_named_as_such(value, shown):
+    with pytest.raises(ConfigError) as error:
+        validate(config(f"algorithm.group_size={value}"))
+    assert str(error.value) == (
+        f"algorithm.group_size={shown} must be an integer >= 2 or auto (per-task sizes, algorithm.adaptive_group)"
+    )
+
+
+@pytest.mark.parametrize(
+    "gpus,example",
+    [
+        (["trainer.devices=3"], "parallelism.dp_shard=3"),
+        (["trainer.devices=3", "parallelism.tp=2"], "parallelism.dp_shard=3 parallelism.tp=1"),
+        (
+            ["trainer.devices=4", "trainer.num_nodes=2", "parallelism.tp=2"],
+            "parallelism.dp_replicate=2 parallelism.dp_shard=2",
+        ),
+    ],
+)
+def test_a_layout_that_misses_the_gpus_is_shown_one_for_the_runs_own(gpus, example):
+    """The example in the refusal is for the run's trainer.devices and num_nodes, and applied it validates."""
+    with pytest.raises(ConfigError, match="must equal trainer.devices") as error:
+        validate(config(*gpus))
+    assert str(error.value).split("`")[1] == example
+    validate(config(*gpus, *example.split()))
+
+
+def test_model_path_at_a_file_or_a_training_checkpoint_says_what_it_is(tmp_path):
+    """A file is not "missing"; a Lightning checkpoint given as the model is pointed to checkpoint.resume, which
+    then validates (the embedded tiny model its base)."""
+    torch.save({"state_dict": {}}, tmp_path / "last.ckpt")
+    with pytest.raises(ConfigError) as error:
+        validate(config("model.path=README.md"))
+    assert str(error.value) == (
+        "model.path 'README.md' is a file: point it at an HF checkpoint directory (config.json + *.safetensors + "
+        "tokenizer)"
+    )
+    ckpt = tmp_path / "last.ckpt"
+    with pytest.raises(ConfigError) as error:
+        validate(config(f"model.path={ckpt}"))
+    assert str(error.value).startswith(f"model.path '{ckpt}' is a Lightning training checkpoint")
+    assert f"checkpoint.resume={ckpt} (train.py) or checkpoint={ckpt} (evaluate.py)" in str(error.value)
+    validate(config(f"checkpoint.resume={ckpt}"))

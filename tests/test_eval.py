@@ -4,17 +4,27 @@ import json
 import math
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
 import torch
 
+from canopy.config import compose_config, validate_eval
 from canopy.envs.base import Task
 from canopy.envs.embedded import EmbeddedEnvironment, make_tasks
 from canopy.errors import ConfigError
 from canopy.eval.metrics import best_at_k, mean_at_k, sgc, sgc_best_at_k, sgc_mean_at_k, summarize
 from canopy.eval.pilot import format_pilot, pilot_report
-from canopy.eval.runner import checkpoint_weights, evaluation, format_scenarios, format_table3, sample_runs
+from canopy.eval.runner import (
+    Sampled,
+    checkpoint_weights,
+    evaluation,
+    format_scenarios,
+    format_table3,
+    sample_runs,
+    write_results,
+)
 from canopy.modules.policy import load_policy
 from canopy.rollout.agent_loop import Budget, invalid_action_fracs
 from canopy.rollout.engine import LocalEngine, SamplingParams
@@ -176,3 +186,41 @@ def test_pilot_prints_group_size(tiny_path, tmp_path):
     report = json.loads((tmp_path / "pilot.json").read_text())
     assert set(report["tiers"]) == {"tier1", "tier2", "tier3"} and report["tiers"]["tier1"]["episodes"] == 24
     assert "for coverage tau=0.9: group size n >=" in run.stdout
+
+
+def test_evaluate_refuses_a_checkpoint_or_transfer_it_cannot_read_in_one_line(tmp_path, tiny_path):
+    """evaluate.py's `checkpoint` is an HF directory or a Lightning .ckpt, its `transfer_from` an eval.json that
+    evaluate.py wrote: anything else is refused before the run starts, saying what it is not; the real ones pass."""
+    fix = "pass an HF checkpoint directory (e.g. <run dir>/final_hf) or a single-file .ckpt written by checkpoint."
+    sharded, other = tmp_path / "step4.ckpt", tmp_path / "notes"
+    for folder, names in ((sharded, (".metadata", "meta.pt")), (other, ("a.txt",))):
+        folder.mkdir()
+        for name in names:
+            (folder / name).write_bytes(b"")
+    said = {
+        "README.md": "is neither an HF checkpoint directory (config.json + *.safetensors) nor a Lightning .ckpt",
+        str(other): "is neither an HF checkpoint directory (config.json + *.safetensors) nor a Lightning .ckpt",
+        str(sharded): "is a sharded (multi-process) training checkpoint, which evaluate.py does not load",
+    }
+    for checkpoint, problem in said.items():
+        with pytest.raises(ConfigError) as error:
+            validate_eval(compose_config([f"checkpoint={checkpoint}"], "evaluate"))
+        assert str(error.value).startswith(f"checkpoint '{checkpoint}' {problem}: {fix}")
+    torch.save({"state_dict": {}}, tmp_path / "last.ckpt")
+    tasks = make_tasks("test")[:2]
+    sampled = Sampled({task.task_id: [1.0] for task in tasks}, 0, Counter(), {})
+    meta = dict(policy="base", checkpoint=None, budget="b", split="test", k=1)  # evaluate.py's
+    write_results(tmp_path, "eval", [evaluation(tasks, sampled, **meta)])
+    for good in (
+        f"checkpoint={tiny_path}",
+        f"checkpoint={tmp_path / 'last.ckpt'}",
+        f"transfer_from={tmp_path}/eval.json",
+    ):
+        validate_eval(compose_config([good], "evaluate"))
+    for transfer in ("README.md", tmp_path, tmp_path / "eval.md"):
+        with pytest.raises(ConfigError) as error:
+            validate_eval(compose_config([f"transfer_from={transfer}"], "evaluate"))
+        assert str(error.value) == (
+            f"transfer_from '{transfer}' is not an eval.json written by evaluate.py: pass one, e.g. "
+            "<eval run dir>/eval.json"
+        )

@@ -22,7 +22,7 @@ from canopy.memory import (
     trainer_plan,
 )
 from canopy.tools.memory_measure import measure, qwen3_config
-from canopy.tools.memory_plan import compose_config, plans, render
+from canopy.tools.memory_plan import compose_config, fixes, plans, render
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -131,6 +131,9 @@ def test_memory_plan_cli_prints_terms_and_fit():
         assert word in run.stdout
     assert "H200-141GB: fits" in run.stdout and "H100-80GB: over by" in run.stdout
     assert "SGLang server on H200-141GB" in run.stdout
+    assert (
+        "smallest change that fits H100-80GB: `parallelism.dp_shard=1 parallelism.tp=4` (4 trainer GPUs" in run.stdout
+    )
 
 
 def test_docs_tables_are_the_plans_of_today():
@@ -155,11 +158,11 @@ def test_a_gpu_run_that_cannot_fit_stops_at_start_in_one_line(tmp_path, tiny_pat
 
 
 def test_memory_check_names_the_overflowing_term_and_its_fix(tiny_path):
-    """The largest term and what shrinks it, or `trainer.memory_check=false`; a CPU run naming no GPU is not
-    checked."""
+    """The largest term and the smallest layout change that fits, or where none does what would (here: a GPU far
+    too small), or `trainer.memory_check=false`; a CPU run naming no GPU is not checked."""
     old = ["experiment=appworld_canopy", "trainer.micro_batch_tokens=163840", "parallelism.dp_shard=4"]
     old += ["parallelism.tp=1", "parallelism.activation_checkpointing=selective", "trainer.gpu_memory_gib=140.4"]
-    with pytest.raises(ConfigError, match=r"\(activations [0-9.]+ GiB the largest term.*lower trainer.micro_batch"):
+    with pytest.raises(ConfigError, match=r"\(activations [0-9.]+ GiB the largest term.*smallest change that fits: `"):
         check_memory(compose_config(old), None)
     tiny = [f"model.path={tiny_path}"]
     with pytest.raises(ConfigError, match=r"cuda context and nccl .* GPUs with more memory; trainer.memory_check"):
@@ -208,3 +211,62 @@ def test_a_broadcast_weight_sync_holds_its_bucket_on_the_trainers_gpu():
         for sync in ("disk", "nccl")
     }
     assert (layouts["disk"].sync_bucket_bytes, layouts["nccl"].sync_bucket_bytes) == (0.0, 256 * 2**20)
+
+
+OVER = {
+    "appworld one node": EXPERIMENTS["appworld one node"][0],  # over both 80 GB GPUs: more GPUs or more TP
+    "swebench one node": EXPERIMENTS["swebench one node"][0],
+    "appworld 8x8, 163,840-token micro-batches": EXPERIMENTS["appworld 8x8"][0] + ["trainer.micro_batch_tokens=163840"],
+    "appworld, Table A1's old layout": ["experiment=appworld_canopy", "trainer.micro_batch_tokens=163840"]
+    + ["parallelism.dp_shard=4", "parallelism.tp=1", "parallelism.activation_checkpointing=selective"],  # over all
+}
+
+
+@pytest.mark.parametrize("recipe", OVER, ids=list(OVER))
+def test_a_layout_over_a_gpu_is_given_the_smallest_change_that_fits_it(recipe):
+    """For every named GPU the trainer is over, the suggested overrides, applied to the recipe and planned again,
+    fit that GPU, on a layout train.py accepts (parallelism's product is the trainer's GPUs, tp x cp within a node)."""
+    overrides = OVER[recipe]
+    trainer = plans(compose_config(overrides))[0]
+    suggested = fixes(compose_config(overrides))
+    assert set(suggested) == {gpu for gpu, gib in GPUS.items() if trainer.total > gib * GIB} != set()
+    for gpu, fix in suggested.items():
+        applied = compose_config(overrides + [f"{key}={value}" for key, value in fix.overrides.items()])
+        assert plans(applied)[0].total <= GPUS[gpu] * GIB, (recipe, gpu, str(fix))
+        p, t = applied.parallelism, applied.trainer
+        assert p.dp_replicate * p.dp_shard * p.tp * p.cp == t.devices * t.num_nodes == fix.gpus
+        assert t.devices % (p.tp * p.cp) == 0
+
+
+def test_the_smallest_change_is_the_fewest_keys_then_gpus():
+    """163,840-token micro-batches on the 8 x 8 layout: one key, no more GPUs (the context, 40,960, fits; 81,920
+    is 0.7 GiB over an H100); Table A1's old layout on an H200: full checkpointing alone is not enough."""
+    micro = fixes(compose_config(OVER["appworld 8x8, 163,840-token micro-batches"]))["H100-80GB"]
+    assert micro.overrides == {"trainer.micro_batch_tokens": 40960} and micro.gpus == 32
+    halved = OVER["appworld 8x8, 163,840-token micro-batches"] + ["trainer.micro_batch_tokens=81920"]
+    assert plans(compose_config(halved))[0].total > GPUS["H100-80GB"] * GIB
+    old = OVER["appworld, Table A1's old layout"]
+    assert (
+        plans(compose_config(old + ["parallelism.activation_checkpointing=full"]))[0].total > GPUS["H200-141GB"] * GIB
+    )
+    assert len(fixes(compose_config(old))["H200-141GB"].overrides) == 2
+
+
+@pytest.mark.parametrize("experiment", ["appworld 8x8", "swebench 8x8"])
+def test_a_layout_that_fits_every_gpu_gets_no_suggestion(experiment):
+    cfg = compose_config(EXPERIMENTS[experiment][0])
+    assert fixes(cfg) == {} and "smallest change" not in render(cfg)
+
+
+def test_the_refusal_at_start_names_a_change_that_then_passes():
+    """check_memory's line names the smallest change for the run's GPU; with it applied the same check passes."""
+    old = OVER["appworld, Table A1's old layout"] + ["trainer.gpu_memory_gib=140.4"]
+    with pytest.raises(ConfigError, match="the smallest change that fits: `") as error:
+        check_memory(compose_config(old), None)
+    change = str(error.value).split("`")[3]  # the first pair quotes the memory_plan command
+    check_memory(compose_config(old + change.split()), None)
+
+
+def test_a_model_path_without_config_json_is_one_line():
+    with pytest.raises(ConfigError, match="model.path 'README.md' has no config.json: point it at an HF checkpoint"):
+        read_model_config("README.md", None)

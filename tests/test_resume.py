@@ -161,3 +161,34 @@ def test_resume_from_an_unfinished_sharded_checkpoint_is_refused(tmp_path):
     (tmp_path / "step4.ckpt.tmp" / "__0_0.distcp").write_bytes(b"")
     with pytest.raises(ConfigError, match=r"did not finish \(no \.metadata or meta\.pt\): resume from an earlier"):
         validate(config(f"checkpoint.resume={tmp_path / 'step4.ckpt.tmp'}"))
+
+
+def test_resume_takes_only_a_training_checkpoint_and_names_what_to_pass(tmp_path, tiny_path):
+    """A file that is not torch.save's archive of a Lightning checkpoint (a README, a plain weights file, a truncated
+    .ckpt) is refused at validate in one line, without loading it; a finished HF export is told to start a new run
+    with model.path, and that fix validates; a Lightning .ckpt and a finished sharded checkpoint pass."""
+    torch.save({"state_dict": {"policy.w": torch.zeros(64)}, "global_step": 2}, tmp_path / "last.ckpt")
+    torch.save({"w": torch.zeros(64)}, tmp_path / "weights.pt")
+    (tmp_path / "cut.ckpt").write_bytes((tmp_path / "last.ckpt").read_bytes()[:-64])
+    for name in ("weights.pt", "cut.ckpt"):
+        with pytest.raises(ConfigError) as error:
+            validate(config(f"checkpoint.resume={tmp_path / name}"))
+        assert str(error.value) == (
+            f"checkpoint.resume '{tmp_path / name}' is not a Lightning checkpoint (a .ckpt file, or a sharded "
+            "checkpoint directory with .metadata and meta.pt): pass a checkpoint written by checkpoint.every_n_steps "
+            "(e.g. <run dir>/checkpoints/last.ckpt)"
+        )
+    with pytest.raises(ConfigError, match="'README.md' is not a Lightning checkpoint"):
+        validate(config("checkpoint.resume=README.md"))
+    with pytest.raises(ConfigError) as error:
+        validate(config(f"checkpoint.resume={tiny_path}"))
+    assert str(error.value).startswith(f"checkpoint.resume '{tiny_path}' is an HF model export")
+    fix = str(error.value).rpartition(" with ")[2]
+    assert fix == f"model.path={tiny_path}"
+    validate(config(fix))
+    sharded = tmp_path / "step4.ckpt"
+    sharded.mkdir()
+    for name in (".metadata", "meta.pt", "__0_0.distcp"):
+        (sharded / name).write_bytes(b"")
+    validate(config(f"checkpoint.resume={tmp_path / 'last.ckpt'}"))
+    validate(config(f"checkpoint.resume={sharded}"))

@@ -10,8 +10,9 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from canopy.envs.base import Task
-from canopy.errors import ConfigError
+from canopy.errors import require
 from canopy.eval.metrics import by_scenario, summarize
+from canopy.modules.checkpoint import checkpoint_kind
 from canopy.modules.policy import iter_hf_weights, load_policy
 from canopy.rollout.agent_loop import invalid_action_fracs, run_episodes
 from canopy.rollout.faults import check_systemic_faults
@@ -84,27 +85,34 @@ def evaluation(tasks: list[Task], sampled: Sampled, **meta) -> dict:
     return record
 
 
+def check_checkpoint(checkpoint: str | Path) -> str:
+    """The kind (`checkpoint_kind`) of evaluate.py's `checkpoint`: `hf` or `ckpt`, else a ConfigError naming what
+    to pass."""
+    problems = {
+        "missing": "does not exist",
+        "other": "is neither an HF checkpoint directory (config.json + *.safetensors) nor a Lightning .ckpt",
+        "sharded": "is a sharded (multi-process) training checkpoint, which evaluate.py does not load",
+        "unfinished": "is a sharded training checkpoint whose save did not finish",
+    }
+    kind = checkpoint_kind(checkpoint)
+    require(
+        kind in ("hf", "ckpt"),
+        f"checkpoint '{checkpoint}' {problems.get(kind)}: pass an HF checkpoint directory (e.g. <run dir>/final_hf) "
+        "or a single-file .ckpt written by checkpoint.every_n_steps",
+    )
+    return kind
+
+
 def checkpoint_weights(checkpoint: str | Path, base_path: str):
     """How to get a checkpoint's policy into an engine: (HF directory to load, HF weights to push or None).
 
     An HF directory loads as is; a Lightning `.ckpt` is the base architecture plus its policy state."""
-    path = Path(checkpoint)
-    if (path / "config.json").is_file():
-        return str(path), None
-    if path.is_file() and path.suffix == ".ckpt":
-        state = torch.load(path, map_location="cpu", weights_only=False)["state_dict"]
-        policy, adapter = load_policy(base_path)
-        policy.load_state_dict({k.removeprefix("policy."): v for k, v in state.items() if k.startswith("policy.")})
-        return base_path, iter_hf_weights(policy, adapter)
-    if path.is_dir():
-        raise ConfigError(
-            f"checkpoint '{path}' has no config.json (a sharded DCP checkpoint?): pass an HF directory "
-            "such as <run dir>/final_hf or a single-process .ckpt"
-        )
-    raise ConfigError(
-        f"checkpoint '{path}' does not exist: pass an HF checkpoint directory (e.g. <run dir>/final_hf) "
-        "or a .ckpt written by checkpoint.every_n_steps"
-    )
+    if check_checkpoint(checkpoint) == "hf":
+        return str(checkpoint), None
+    state = torch.load(checkpoint, map_location="cpu", weights_only=False)["state_dict"]  # a Lightning checkpoint
+    policy, adapter = load_policy(base_path)
+    policy.load_state_dict({k.removeprefix("policy."): v for k, v in state.items() if k.startswith("policy.")})
+    return base_path, iter_hf_weights(policy, adapter)
 
 
 def format_table3(results: list[dict]) -> str:

@@ -44,10 +44,15 @@ class ModelSettings:
             "model.path is not set: pass model.path=/path/to/hf_checkpoint (config.json + *.safetensors + tokenizer)",
         )
         require(
-            self.path is None or Path(self.path).is_dir(),
+            self.path is None or Path(self.path).exists(),
             f"model.path '{self.path}' does not exist: point it at an HF checkpoint directory (config.json + "
             "*.safetensors + tokenizer)"
             + (", or leave model.path unset for the embedded tiny model" if self.tiny else ""),
+        )
+        require(
+            self.path is None or Path(self.path).is_dir(),
+            f"model.path '{self.path}' is a file: point it at an HF checkpoint directory (config.json + "
+            "*.safetensors + tokenizer)",
         )
         require(
             self.path is None or (Path(self.path) / "config.json").is_file(),

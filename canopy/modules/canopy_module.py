@@ -59,7 +59,12 @@ class AlgorithmSettings:
 
     def validate(self) -> None:
         require(
-            self.group_size == "auto" or (is_int(self.group_size) and self.group_size >= 2),
+            self.group_size == "auto" or is_int(self.group_size),
+            f"algorithm.group_size={self.group_size!r} must be an integer >= 2 or auto (per-task sizes, "
+            "algorithm.adaptive_group)",
+        )
+        require(
+            self.group_size == "auto" or self.group_size >= 2,
             f"algorithm.group_size={self.group_size}: group-relative advantages need >= 2 rollouts per task; set "
             "algorithm.group_size >= 2, or auto (per-task sizes, algorithm.adaptive_group)",
         )

@@ -7,7 +7,9 @@
 
 The model's shape comes from `model.path`'s config.json, or, with no checkpoint at hand, from the config.json
 shipped for `model.name` (canopy/model_configs/). The plan is computed for GPUs (`canopy.memory`); train.py
-refuses a GPU run that does not fit before anything starts.
+refuses a GPU run that does not fit before anything starts. For each named GPU the trainer does not fit, the tool
+prints the smallest layout change that does (`canopy.memory.nearby_layouts`: fewest changed keys, then fewest
+trainer GPUs).
 """
 
 import argparse
@@ -22,21 +24,31 @@ from canopy.errors import ConfigError
 from canopy.memory import (
     GIB,
     GPUS,
+    Fix,
+    ModelShape,
     Plan,
     TrainerLayout,
+    fix_line,
     gpu_servers,
     model_shape,
+    nearby_layouts,
     read_model_config,
     sglang_plan,
+    smallest_fix,
     trainer_plan,
 )
 
 
+def planned_shape(cfg: DictConfig) -> ModelShape:
+    """The shape of `model.path`'s model, or while it is unset (`???` included) of `model.name`'s."""
+    hf = read_model_config(OmegaConf.select(cfg, "model.path"), cfg.model.get("name"))
+    return model_shape(json.dumps(hf, sort_keys=True))
+
+
 def plans(cfg: DictConfig) -> tuple[Plan, dict[str, Plan | None], str]:
     """The trainer's plan, each named GPU's SGLang server plan (None without SGLang), and what the model is."""
-    path = OmegaConf.select(cfg, "model.path")  # None while unset (`???` included): plan `model.name`
-    hf = read_model_config(path, cfg.model.get("name"))
-    shape = model_shape(json.dumps(hf, sort_keys=True))
+    path = OmegaConf.select(cfg, "model.path")
+    shape = planned_shape(cfg)
     trainer = trainer_plan(shape, TrainerLayout.from_config(cfg, device="cuda"))
     source = f"{path}/config.json" if path else f"canopy/model_configs/{cfg.model.name}.json"
     what = f"{shape.params / 1e9:.2f} B parameters ({source})"
@@ -69,6 +81,15 @@ def fit_line(total: float) -> str:
     )
 
 
+def fixes(cfg: DictConfig) -> dict[str, Fix | None]:
+    """For each named GPU the trainer's plan is over: the smallest layout change that fits it (`nearby_layouts`),
+    or None where none near does."""
+    trainer = plans(cfg)[0]
+    over = {gpu: gib for gpu, gib in GPUS.items() if trainer.total > gib * GIB}
+    layouts = nearby_layouts(cfg, planned_shape(cfg)) if over else []
+    return {gpu: smallest_fix(layouts, gib) for gpu, gib in over.items()}
+
+
 def by_checkpointing(cfg: DictConfig) -> str:
     """The trainer's total per GPU under each activation-checkpointing mode, the rest of the layout unchanged."""
     totals = []
@@ -93,6 +114,8 @@ def render(cfg: DictConfig, markdown: bool = False) -> str:
         lines += ["per trainer GPU                  GiB"]
         lines += [f"  {t.name:<26}{t.bytes / GIB:>7.1f}  {t.detail}" for t in trainer.terms]
         lines += [f"  {'total':<26}{trainer.total / GIB:>7.1f}", f"  {fit_line(trainer.total)}"]
+    for gpu, fix in fixes(cfg).items():
+        lines.append(("- " if markdown else "  ") + f"smallest change that fits {gpu}: {fix_line(fix, GPUS[gpu])}")
     for gpu, server in servers.items():
         if server is None:
             continue
