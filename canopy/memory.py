@@ -309,37 +309,43 @@ class Fix:
 
 def nearby_layouts(cfg, shape: ModelShape) -> list[Fix]:
     """Every trainer layout a few keys from the config's, the smallest change first: fewest changed keys, then
-    fewest trainer GPUs, then the mildest (the largest plan). Searched: trainer.devices up to 8 per node on the
-    run's nodes, parallelism.dp_shard filling them, tp in 1, 2, 4, 8 dividing the model's heads, dp_replicate
-    folded into dp_shard, more activation checkpointing, trainer.micro_batch_tokens halved down to the context
-    (a longer sequence runs alone, so fewer tokens than that save nothing); cp and the nodes stay as they are."""
+    fewest trainer GPUs, then the mildest (the largest plan). Searched: trainer.devices up to 8 per node (no more
+    than the run has when it launches GPU servers on the GPUs after the trainer's), trainer.num_nodes up to 8x the
+    run's, parallelism.dp_shard filling them, tp in 1, 2, 4, 8 dividing the model's heads, dp_replicate folded into
+    dp_shard, more activation checkpointing, trainer.micro_batch_tokens halved down to the context (a longer
+    sequence runs alone, so fewer tokens than that save nothing); cp stays as it is."""
     p, t = cfg.parallelism, cfg.trainer
+    served = gpu_servers(cfg)  # servers this run launches hold the node's GPUs from base_gpu_id on
+    most = t.devices if served is not None and not served.settings.urls else max(GPUS_PER_NODE, t.devices)
     base = TrainerLayout.from_config(cfg, device="cuda")
     floor = min(t.micro_batch_tokens, base.max_context_tokens)
     tokens = {max(t.micro_batch_tokens >> k, floor) for k in range(8)}
     tps = {p.tp, *(n for n in TP_SIZES if all(heads % n == 0 for heads in head_counts(shape.hf)))}
     modes = CHECKPOINTING[CHECKPOINTING.index(p.activation_checkpointing) :]
     replicates = [n for n in range(1, p.dp_replicate + 1) if p.dp_replicate % n == 0]
-    current = layout_keys(base, t.devices)
+    nodes_options = [t.num_nodes * k for k in (1, 2, 4, 8)]
+    current = layout_keys(base, t.devices, t.num_nodes)
     fixes = []
-    for devices, replicate, tp, mode, micro in product(
-        range(1, max(GPUS_PER_NODE, t.devices) + 1), replicates, sorted(tps), modes, sorted(tokens)
+    for nodes, devices, replicate, tp, mode, micro in product(
+        nodes_options, range(1, most + 1), replicates, sorted(tps), modes, sorted(tokens)
     ):
-        shard, rest = divmod(devices * t.num_nodes, replicate * tp * p.cp)
+        shard, rest = divmod(devices * nodes, replicate * tp * p.cp)
         if rest or not shard or devices % (tp * p.cp):
             continue
         layout = replace(
             base, dp_replicate=replicate, dp_shard=shard, tp=tp, activation_checkpointing=mode, micro_batch_tokens=micro
         )
-        overrides = {key: value for key, value in layout_keys(layout, devices).items() if value != current[key]}
+        keys = layout_keys(layout, devices, nodes)
+        overrides = {key: value for key, value in keys.items() if value != current[key]}
         if overrides:
-            fixes.append(Fix(overrides, devices * t.num_nodes, trainer_plan(shape, layout).total))
+            fixes.append(Fix(overrides, devices * nodes, trainer_plan(shape, layout).total))
     return sorted(fixes, key=lambda fix: (len(fix.overrides), fix.gpus, -fix.total))
 
 
-def layout_keys(layout: TrainerLayout, devices: int) -> dict[str, int | str]:
-    """The config keys the layout search varies, with their values for `layout` on `devices` GPUs per node."""
+def layout_keys(layout: TrainerLayout, devices: int, nodes: int) -> dict[str, int | str]:
+    """The config keys the layout search varies, with their values for `layout` on `nodes` x `devices` GPUs."""
     return {
+        "trainer.num_nodes": nodes,
         "trainer.devices": devices,
         "parallelism.dp_replicate": layout.dp_replicate,
         "parallelism.dp_shard": layout.dp_shard,
@@ -364,7 +370,7 @@ def smallest_fix(fixes: list[Fix], gpu_gib: float) -> Fix | None:
 def fix_line(fix: Fix | None, gpu_gib: float) -> str:
     """A `smallest_fix` for a GPU of `gpu_gib` GiB, said in a few words."""
     if fix is None:
-        return f"no layout near this one fits (up to {GPUS_PER_NODE} trainer GPUs per node): {FIXES[None]}"
+        return f"no layout near this one fits (up to {GPUS_PER_NODE} GPUs per node on 8x the nodes): {FIXES[None]}"
     total = fix.total / GIB
     return f"`{fix}` ({fix.gpus} trainer GPUs, {total:.1f} GiB per GPU, {gpu_gib - total:.1f} GiB spare)"
 
