@@ -9,6 +9,7 @@ import random
 import signal
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -69,6 +70,10 @@ def engine(tiny32, tmp_path_factory):
     engine = VLLMEngine(tiny32, STOPS, settings, context_length=CONTEXT, retry_backoff_s=0.2, health_interval_s=0.5)
     yield engine
     engine.close()
+    # each server's temporary files (vLLM's gloo rendezvous file) went to its own folder, not to /tmp
+    assert {p.parent.name for p in (Path(settings.sync_dir) / "tmp").glob("server_*/vllm_dist_*")} == {
+        f"server_{settings.base_port + i}" for i in range(2)
+    }
 
 
 @pytest.fixture(scope="module")

@@ -5,6 +5,7 @@ which must then all serve one weight version."""
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -114,10 +115,12 @@ class Fleet:
         port = s.base_port + index
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log = self.log_dir / f"server_{port}.log"
+        scratch = self.log_dir / "tmp" / f"server_{port}"  # its temporary files (vLLM's gloo rendezvous file, ...):
+        shutil.rmtree(scratch, ignore_errors=True)  # here, emptied at each launch, and never left in /tmp
+        scratch.mkdir(parents=True)
+        env = {**os.environ, "TMPDIR": str(scratch), **env}
         with open(log, "wb") as out:  # a session of its own: stop() ends the server's whole process group
-            process = subprocess.Popen(
-                argv, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **env}, start_new_session=True
-            )
+            process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         return Server(f"http://{client_host(s.host)}:{port}", self.tp_size, index, process, log)
 
     def revive(self, server: Server) -> bool:
