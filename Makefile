@@ -25,8 +25,9 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 # System packages: SWE-bench sandboxes (bubblewrap) and the generated tasks' tools (git, patch, python3-pytest on the
-# host's /usr); a headless Chromium for the rollout viewer's browser test (tests/test_viewer.py).
-SYSTEM_PACKAGES := bubblewrap git patch python3-pytest chromium-headless-shell
+# host's /usr); a headless Chromium for the rollout viewer's browser test (tests/test_viewer.py); tmux for the
+# console test in a real terminal (tests/test_console.py).
+SYSTEM_PACKAGES := bubblewrap git patch python3-pytest chromium-headless-shell tmux
 system:
 	@missing=$$(for p in $(SYSTEM_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
 	if [ -n "$$missing" ]; then \

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
+from transformers.utils.logging import disable_progress_bar
 
 from canopy.build import (
     build_engine,
@@ -41,6 +42,7 @@ def train_view(cfg: DictConfig) -> DictConfig:
 @hydra.main(config_path="conf", config_name="evaluate", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     out_dir = Path(hydra.core.hydra_config.HydraConfig.get().runtime.output_dir)
+    disable_progress_bar()  # transformers' loading and saving bars: the console shows the evaluation's own
     try:
         validate(train_view(cfg))
         validate_eval(cfg)

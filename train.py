@@ -6,7 +6,9 @@ from pathlib import Path
 import hydra
 import lightning as L
 import torch
+from lightning.pytorch.callbacks import ProgressBar
 from omegaconf import DictConfig, OmegaConf
+from transformers.utils.logging import disable_progress_bar
 
 from canopy.build import (
     build_datamodule,
@@ -34,6 +36,7 @@ from canopy.tools.summary import BaseSuccess, training_task_report, write_summar
 @hydra.main(config_path="conf", config_name="train", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     silence_benign_warnings()
+    disable_progress_bar()  # transformers' loading and saving bars: the console shows the run's own
     run_dir = Path(hydra.core.hydra_config.HydraConfig.get().runtime.output_dir)
     try:
         validate(cfg)
@@ -76,11 +79,16 @@ def main(cfg: DictConfig) -> None:
         log_every_n_steps=1,
         enable_checkpointing=bool(cfg.checkpoint.every_n_steps),
         callbacks=([base] if base else []) + callbacks,
+        enable_progress_bar=any(isinstance(c, ProgressBar) for c in callbacks),  # callbacks.progress, or none
+        enable_model_summary=False,  # the resolved config and the memory plan say what runs
         num_sanity_val_steps=0,
         default_root_dir=run_dir,
     )
     if trainer.is_global_zero:
-        print(OmegaConf.to_yaml(cfg, resolve=True))
+        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))  # every key, resolved
+        if cfg.print_config:
+            print(OmegaConf.to_yaml(cfg, resolve=True))
+        print(f"run folder: {run_dir} (resolved config: config.yaml)", flush=True)
     viewer = next((c for c in callbacks if isinstance(c, RolloutViewer)), None)
     try:
         trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.checkpoint.resume)
@@ -108,6 +116,8 @@ def main(cfg: DictConfig) -> None:
     page = viewer.final(run_dir) if viewer else None
     finish_loggers(loggers, run_dir)
     engine.close()
+    if hasattr(env, "close"):  # the final reports reopened the environment's pool: its workers and scratch go
+        env.close()
     print(
         f"\nfinal policy (HF format): {final_dir}\nplots: {', '.join(p.name for p in plots)}\nTensorBoard: "
         f"tensorboard --logdir {logger.log_dir}"

@@ -19,6 +19,7 @@ from canopy.callbacks import (
     OnPolicyAudit,
     QuarantineStats,
     RolloutViewer,
+    StepProgress,
     build_callbacks,
 )
 from canopy.coverage import signal_coverage
@@ -206,7 +207,11 @@ def test_build_callbacks_swaps_by_config():
         BudgetTransferEval,
         OnPolicyAudit,
         RolloutViewer,
+        StepProgress,
     }
+    assert StepProgress not in {type(c) for c in build_callbacks(config("callbacks.progress=null"))}
+    with pytest.raises(ConfigError, match=r"^callbacks.progress.every_n_steps=0 must be a positive integer"):
+        build_callbacks(config("callbacks.progress.every_n_steps=0"))
     assert EntropyMonitor not in {type(c) for c in build_callbacks(config("callbacks.entropy_monitor=null"))}
     assert build_callbacks(config("callbacks=none")) == []
 

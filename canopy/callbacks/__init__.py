@@ -1,6 +1,6 @@
 """Lightning callbacks of the recipe, each swappable by config (`conf/callbacks/`): fault quarantine stats,
 coverage logging (Eq. 4), entropy monitoring (Fig. 4), format health monitoring, budget-transfer evaluation (Fig. 5),
-the on-policy audit and the rollout viewer."""
+the on-policy audit, the rollout viewer and the console's step progress."""
 
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
@@ -11,6 +11,7 @@ from canopy.callbacks.coverage_logger import CoverageLogger
 from canopy.callbacks.entropy_monitor import EntropyMonitor
 from canopy.callbacks.format_monitor import FormatDriftError, FormatMonitor
 from canopy.callbacks.on_policy_audit import OnPolicyAudit
+from canopy.callbacks.progress import StepProgress
 from canopy.callbacks.quarantine_stats import QuarantineStats
 from canopy.callbacks.rollout_viewer import RolloutViewer
 from canopy.errors import ConfigError
@@ -24,6 +25,7 @@ __all__ = [
     "OnPolicyAudit",
     "QuarantineStats",
     "RolloutViewer",
+    "StepProgress",
     "build_callbacks",
 ]
 

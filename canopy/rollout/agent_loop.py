@@ -8,6 +8,7 @@ generate -> step loop (`run_episodes`), so environment steps overlap generation.
 
 import functools
 import itertools
+import sys
 import threading
 import time
 from collections import deque
@@ -241,7 +242,8 @@ def run_episodes(
     trajectories = [Trajectory(task, sample_index, [], [], [], 0) for task, sample_index in jobs]
     pooled = getattr(env, "max_concurrent_episodes", None)
     limit = max(1, min(concurrency or pooled or len(jobs), len(jobs)))
-    progress = tqdm(total=len(jobs), desc=description, unit="ep", leave=False, dynamic_ncols=True)
+    progress = tqdm(total=len(jobs), desc=description, unit="ep", leave=False, dynamic_ncols=True,
+                    disable=not interactive())  # fmt: skip
 
     def episode(index: int):
         return _episode(env, tokenizer, trajectories[index], seed + index, budget, turn_end)
@@ -272,6 +274,16 @@ def _episode(env, tokenizer, trajectory: Trajectory, seed: int, budget: Budget, 
         raise
 
 
+def interactive() -> bool:
+    """Whether the console is a terminal, where progress bars redraw in place (piped to a file, they are off)."""
+    return sys.stderr.isatty()
+
+
+def show_live(progress, live: int, turns: list[int], refresh: bool = False) -> None:
+    """The rollout bar's `live N, turn T`: episodes under way and the furthest turn any of them has reached."""
+    progress.set_postfix_str(f"live {live}, turn {max(turns, default=0)}", refresh=refresh)
+
+
 def _run_in_turns(engine, sampling: SamplingParams, episode, keys: list[str], limit: int, progress) -> float:
     """Drive the episodes in this thread: one engine call per turn with every live episode's request, in job
     order; an ended episode's place goes to the next job. Returns the seconds spent generating."""
@@ -287,10 +299,14 @@ def _run_in_turns(engine, sampling: SamplingParams, episode, keys: list[str], li
             except StopIteration:
                 progress.update(1)
 
+    turns = [0] * len(keys)
     try:
         admit()
         while waiting:
             order = sorted(waiting)
+            for index in order:
+                turns[index] += 1
+            show_live(progress, len(order), turns, refresh=True)  # once a turn
             began = time.perf_counter()
             prompts, limits = [waiting[i][1][0] for i in order], [waiting[i][1][1] for i in order]
             outputs = engine.generate(prompts, limits, sampling, keys=[keys[i] for i in order])
@@ -318,11 +334,16 @@ def _run_in_threads(engine, sampling: SamplingParams, episode, keys: list[str], 
     else:
         requests = _Gatherer(engine, sampling, keys)
 
+    turns, live = [0] * len(keys), [0]
+
     def drive(index: int) -> None:
         coroutine = episode(index)
+        live[0] += 1
         try:
             request = next(coroutine)
             while True:
+                turns[index] += 1
+                show_live(progress, live[0], turns)
                 request = coroutine.send(requests.generate(index, *request))
         except StopIteration:
             pass
@@ -331,6 +352,7 @@ def _run_in_threads(engine, sampling: SamplingParams, episode, keys: list[str], 
             coroutine.close()
             raise
         finally:
+            live[0] -= 1
             engine.release([keys[index]])
             requests.finished()
             progress.update(1)
