@@ -190,18 +190,20 @@ def test_shared_files_are_compared_by_their_test_runner_sections(name, before, a
 
 
 def test_attack_catalogue_runs_as_a_command(tasks, capsys):
-    """`python -m canopy.tools.swe_attacks` on one task: a line per attack, exit 0 when none resolves or is
-    quarantined."""
+    """`python -m canopy.tools.swe_attacks` on one task: a line per attack chosen (`--attacks`; every one is graded
+    by the tests above), exit 0 when none resolves or is quarantined."""
     from canopy.tools import swe_attacks
 
     instances, runtime, repo = tasks
     root = Path(repo(instances[0]).testbed).parents[3]
     write_jsonl(root / "one.jsonl", instances[:1])
+    chosen = [attack.name for attack in swe_attacks.ATTACKS if attack.applies(instances[0])][:2]
     with pytest.raises(SystemExit) as exited:
-        swe_attacks.main([str(root / "one.jsonl"), "--image-root", str(root / "images")])
+        swe_attacks.main([str(root / "one.jsonl"), "--image-root", str(root / "images"), "--attacks", *chosen])
     lines = capsys.readouterr().out.splitlines()
     assert exited.value.code == 0 and lines[-1] == "0 attacks resolved or quarantined"
-    assert sum(": unresolved" in line or ": patch_apply_failed" in line for line in lines) == len(lines) - 1 >= 12
+    assert [line.split(":")[0].split()[-1] for line in lines[:-1]] == chosen
+    assert all(": unresolved" in line or ": patch_apply_failed" in line for line in lines[:-1])
 
 
 def test_undecodable_names_are_restored_or_rejected_never_graded(tasks):

@@ -559,6 +559,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tamper", default="restore", choices=("restore", "reject", "off"))
     parser.add_argument("--workers", type=int, default=0, help="sandboxes graded at a time (0: two per core)")
     parser.add_argument("--docs", action="store_true", help=f"regenerate the table of {DOCS.name} instead")
+    names = [attack.name for attack in ATTACKS]
+    parser.add_argument("--attacks", nargs="+", choices=names, default=names, metavar="NAME", help="these only")
     args = parser.parse_args(argv)
     if args.docs:
         with tempfile.TemporaryDirectory(prefix="canopy-red-team-") as folder:
@@ -576,7 +578,7 @@ def main(argv: list[str] | None = None) -> None:
         for instance in read_jsonl(args.instances):
             repo = Repo.of(args.image_root, instance)
             for attack in ATTACKS:
-                if attack.applies(instance):
+                if attack.name in args.attacks and attack.applies(instance):
                     patch = attack.patch(instance, repo)
                     future = pool.submit(graded, runtime, instance, patch, 600, args.tamper)
                     submitted.append((f"{instance['instance_id']} {attack.name}", future))
