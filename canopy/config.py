@@ -177,6 +177,7 @@ def validate(cfg: DictConfig) -> None:
     unknown = sorted(unknown_keys(cfg))
     require(not unknown, f"{'; '.join(unknown)}: remove it, or fix its name (`python train.py --cfg job` lists keys)")
     require(is_int(cfg.seed), f"seed={cfg.seed!r} must be an integer")
+    require(isinstance(cfg.print_config, bool), f"print_config={cfg.print_config!r} must be true or false")
     for node in [node for node in SECTIONS if node != "model"]:  # the model's files are read after the cheap checks
         settings(cfg, node).validate()
     a, t, p = cfg.algorithm, cfg.trainer, cfg.parallelism

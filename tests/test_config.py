@@ -192,6 +192,12 @@ def test_a_mistyped_model_path_is_one_line_and_builds_nothing(tmp_path):
     assert not typo.exists() and list(empty.iterdir()) == []
 
 
+def test_print_config_is_true_or_false():
+    validate(config("print_config=true"))
+    with pytest.raises(ConfigError, match=r"^print_config='yes please' must be true or false$"):
+        validate(config("print_config='yes please'"))
+
+
 def test_quarantine_threshold_is_validated():
     for value in (0, 1.5, "half"):
         with pytest.raises(ConfigError, match="env.max_quarantine_fraction"):
