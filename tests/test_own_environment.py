@@ -79,7 +79,9 @@ def own_package(tmp_path, monkeypatch):
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: mypkg\nVersion: 0.1\n")
     (dist / "entry_points.txt").write_text("[canopy.environments]\nletters = mypkg.letters\n")
     monkeypatch.syspath_prepend(str(tmp_path / "site"))
-    return tmp_path / "site"
+    yield tmp_path / "site"
+    for name in [name for name in sys.modules if name == "mypkg" or name.startswith("mypkg.")]:
+        del sys.modules[name]  # the next test's package is another folder's
 
 
 def test_an_environment_outside_the_tree_is_found_by_import_path_or_entry_point(own_package):
