@@ -1,4 +1,4 @@
-"""Environments, found by name and imported only when chosen. `env.name=X` is, in this order:
+"""Environments, found by name. `env.name=X` is, in this order:
 - a module of this folder, `canopy.envs.X` (`conf/env/X.yaml` is its config group option);
 - an entry point `X` of the group `canopy.environments` in an installed package (`X = "mypkg.my_env"`);
 - an import path outside Canopy's tree, `env.name=mypkg.my_env` (a dotted name; importable on `sys.path`).
@@ -6,7 +6,11 @@
 The module defines `ENVIRONMENT` (the class) and optionally `SETTINGS` (a dataclass: its `env.<key>.*` schema) and
 `environment_kwargs(env)`, which checks its `env.*` keys and returns the class's keyword arguments (plain values: a
 pool sends them to its worker processes). What it needs installed is `env.requires` (pip requirements, checked
-before the module is imported: one line naming the install when one is missing)."""
+before the module is imported: one line naming the install when one is missing).
+
+This folder's modules are imported at start, for their settings schemas (`canopy.config`): they import optional
+packages inside their methods, and one that fails to import breaks only itself. A module found by entry point or
+import path is imported only when a run chooses it."""
 
 import functools
 import importlib
