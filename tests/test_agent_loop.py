@@ -183,3 +183,18 @@ def test_chat_template_options_reach_the_prompt_and_every_observation(tokenizer,
     first_prompt = engine.calls[0][0][0]
     assert (first_prompt[-len(block) :] == block) == (thinking is False)
     assert episode.num_turns == 2 and episode.token_ids.count(block[0]) == (2 if thinking is False else 0)
+
+
+def test_in_a_terminal_the_rollout_bar_shows_live_episodes_and_their_furthest_turn(tokenizer, monkeypatch, capsys):
+    """Three episodes of two turns (`key`, then `unlock` solves a tier-2 task from 1): the bar says `live 3, turn 1`
+    for the first turn and `live 3, turn 2` for the second; piped, there is no bar at all."""
+    import canopy.rollout.agent_loop as agent_loop
+
+    jobs = [(task(1, 2), i) for i in range(3)]
+    monkeypatch.setattr(agent_loop, "interactive", lambda: True)
+    run_episodes(ScriptedEngine(tokenizer, ["key", "unlock"]), EmbeddedEnvironment(), tokenizer, jobs, BUDGET, T)
+    bar = capsys.readouterr().err
+    assert "live 3, turn 1" in bar and "live 3, turn 2" in bar and "rollout" in bar
+    monkeypatch.setattr(agent_loop, "interactive", lambda: False)
+    run_episodes(ScriptedEngine(tokenizer, ["key", "unlock"]), EmbeddedEnvironment(), tokenizer, jobs, BUDGET, T)
+    assert capsys.readouterr().err == ""
