@@ -85,9 +85,10 @@ def main(cfg: DictConfig) -> None:
         default_root_dir=run_dir,
     )
     if trainer.is_global_zero:
-        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))  # every key, resolved
+        resolved = OmegaConf.to_yaml(cfg, resolve=True)  # every key, resolved
+        (run_dir / "config.yaml").write_text(resolved)
         if cfg.print_config:
-            print(OmegaConf.to_yaml(cfg, resolve=True))
+            print(resolved)
         print(f"run folder: {run_dir} (resolved config: config.yaml)", flush=True)
     viewer = next((c for c in callbacks if isinstance(c, RolloutViewer)), None)
     try:
