@@ -14,9 +14,10 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBase
 
 from canopy.datamodules.rollout import DataSettings
 from canopy.envs import built_in, built_in_environments, environment_module
-from canopy.envs.pool import PoolSettings, check_serving
+from canopy.envs.pool import PoolSettings
 from canopy.envs.ray_pool import RaySettings
 from canopy.envs.sandbox import SandboxLimits
+from canopy.envs.serving import check_serving
 from canopy.errors import ConfigError, is_int, require
 from canopy.eval.runner import check_checkpoint
 from canopy.eval.settings import EvalSettings

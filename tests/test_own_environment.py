@@ -51,12 +51,16 @@ class LettersEpisode:
 
 class LettersEnvironment:
     name = "letters"
+    max_concurrent_episodes = None  # in-process
 
     def tasks(self, split):
         return [Task(f"{split}-{c}", 1 + i % 2, "letters", {"letter": c}) for i, c in enumerate(LETTERS)]
 
     def start(self, task, seed):
         return LettersEpisode(task)
+
+    def close(self):
+        pass
 
 
 ENVIRONMENT = LettersEnvironment

@@ -186,8 +186,7 @@ class RolloutDataModule(L.LightningDataModule):
         """Write the queued trajectory logs; stop the environment's worker processes, if it has any."""
         if self.trajectory_log is not None:
             self.trajectory_log.close()
-        if hasattr(self.env, "close"):
-            self.env.close()
+        self.env.close()
 
     @property
     def engine(self):
@@ -261,7 +260,7 @@ class RolloutDataModule(L.LightningDataModule):
         check_systemic_faults(
             trajectories,
             self.max_quarantine_fraction,
-            getattr(self.env, "max_concurrent_episodes", None),
+            self.env.max_concurrent_episodes,
             f"rollout step {self.step}",
         )
         groups = same_task_groups(trajectories, sizes)
