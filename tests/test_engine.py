@@ -105,8 +105,10 @@ def test_a_bfloat16_engine_samples_near_the_float32_trainer_but_not_equal(tiny_p
 
 @pytest.mark.parametrize(
     "override,message",
-    [("engine.local.dtype=fp8", "engine.local.dtype='fp8' is unknown"),
-     ("engine.local.device=tpu", "engine.local.device='tpu' is unknown")],
+    [
+        ("engine.local.dtype=fp8", "engine.local.dtype='fp8' is unknown"),
+        ("engine.local.device=tpu", "engine.local.device='tpu' is unknown"),
+    ],
 )
 def test_engine_dtype_and_device_are_validated(override, message):
     from canopy.config import validate

@@ -3,6 +3,7 @@ the tests' fakes declares each member of `Environment` and `Episode` with the pr
 them without probing; one behaviour test per capability; and the serving layer's modules import without a cycle."""
 
 import inspect
+import sys
 from pathlib import Path
 
 import grimp
@@ -20,45 +21,11 @@ from canopy.envs.remote import RemoteEpisode
 from canopy.envs.rgym import RGymEnvironment, RGymEpisode
 from canopy.envs.swe_fault_injection import FaultInjectingSWEEnvironment, InjectedSWEEpisode
 from canopy.envs.swebench import SWEBenchEnvironment, SWEBenchEpisode
+from canopy.errors import ConfigError
+from canopy.protocols import mismatches, protocol_members
 from tests.faulty_envs import FailingEnvironment, GatedEnvironment
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def protocol_members(protocol: type) -> dict[str, inspect.Signature | None]:
-    """A Protocol's own members: its annotated attributes (None) and its methods (their signatures). Python 3.11 has
-    no `typing.get_protocol_members`."""
-    members: dict[str, inspect.Signature | None] = dict.fromkeys(protocol.__annotations__)
-    for name, value in vars(protocol).items():
-        if inspect.isfunction(value) and not name.startswith("_"):
-            members[name] = inspect.signature(value)
-    return members
-
-
-def declared(cls: type, name: str) -> bool:
-    """Whether `cls` declares the attribute `name`: a class attribute or property, or an annotation of its own or a
-    base's (an attribute that `__init__` sets is declared by its annotation)."""
-    return any(name in vars(k) or name in vars(k).get("__annotations__", {}) for k in cls.__mro__[:-1])
-
-
-def shape(signature: inspect.Signature) -> list[tuple[str, inspect._ParameterKind]]:
-    return [(p.name, p.kind) for p in signature.parameters.values()]
-
-
-def mismatches(cls: type, protocol: type) -> list[str]:
-    """What `cls` lacks of `protocol`, or declares with another signature (parameter names and kinds)."""
-    wrong = []
-    for name, signature in protocol_members(protocol).items():
-        if signature is None:
-            if not declared(cls, name):
-                wrong.append(f"{cls.__qualname__}.{name} is not declared")
-            continue
-        method = inspect.getattr_static(cls, name, None)
-        if not inspect.isfunction(method):
-            wrong.append(f"{cls.__qualname__}.{name}() is not a method")
-        elif shape(inspect.signature(method)) != shape(signature):
-            wrong.append(f"{cls.__qualname__}.{name}{inspect.signature(method)} is not {name}{signature}")
-    return wrong
 
 
 def letters() -> dict:
@@ -193,9 +160,8 @@ def test_closing_appworld_stops_its_server_and_grader_until_the_next_episode():
 
 def test_the_data_module_closes_the_environment_at_teardown():
     """Every environment is closed at teardown: an in-process one too (it used to be probed for `close`)."""
-    from canopy.datamodules.rollout import RolloutDataModule
     from canopy.rollout.agent_loop import Budget
-    from canopy.rollout.engine import SamplingParams
+    from tests import settings
 
     class Counted(EmbeddedEnvironment):
         closed = 0
@@ -206,9 +172,7 @@ def test_the_data_module_closes_the_environment_at_teardown():
     env = Counted()
     budget = Budget(max_turns=1, max_response_tokens=8, max_prompt_tokens=64, max_observation_tokens=8,
                     max_context_tokens=128)  # fmt: skip
-    datamodule = RolloutDataModule(
-        env, lambda: None, None, split="train", tasks_per_step=1, group_size=2, budget=budget, sampling=SamplingParams()
-    )
+    datamodule = settings.datamodule(env, lambda: None, None, tasks_per_step=1, group_size=2, budget=budget)
     datamodule.teardown("fit")
     assert env.closed == 1
 
@@ -238,3 +202,25 @@ def test_the_environment_modules_import_without_a_cycle():
     for module in modules:
         for imported in graph.find_modules_directly_imported_by(module) & modules:
             assert not graph.chain_exists(imported, module), f"{module} <-> {imported}"
+
+
+def test_an_environment_of_before_the_protocol_is_refused_when_loaded_naming_what_to_add(tmp_path, monkeypatch):
+    """A user's environment that lacks a member is refused at start, in one line naming each missing member and the
+    fix, not at its first rollout or teardown with an AttributeError."""
+    from canopy.envs import environment_module
+
+    (tmp_path / "oldpkg").mkdir()
+    (tmp_path / "oldpkg" / "__init__.py").write_text("")
+    (tmp_path / "oldpkg" / "oldenv.py").write_text(
+        "class Old:\n    name = 'old'\n\n    def tasks(self, split):\n        return []\n\n"
+        "    def start(self, task, seed):\n        return None\n\n\nENVIRONMENT = Old\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "oldpkg.oldenv", raising=False)
+    with pytest.raises(ConfigError) as error:
+        environment_module("oldpkg.oldenv")
+    assert str(error.value) == (
+        "env.name=oldpkg.oldenv: oldpkg.oldenv.Old does not implement the Environment protocol (canopy/envs/base.py): "
+        "Old.max_concurrent_episodes is not declared; Old.close() is not a method; an in-process environment "
+        "declares `max_concurrent_episodes = None` and `def close(self): pass` (docs/environments.md)"
+    )
