@@ -21,15 +21,14 @@ from canopy.build import (
     ensure_model,
 )
 from canopy.config import check_command_line, check_context, mean_group_size, validate, validate_eval
-from canopy.envs.base import SystemicFaultError
-from canopy.errors import ConfigError
+from canopy.errors import ConfigError, RunStopped
 from canopy.eval.from_run import inherited_overrides
 from canopy.eval.pilot import format_pilot, pilot_report
 from canopy.eval.runner import budget_label, checkpoint_weights, evaluation, sample_runs, write_results
+from canopy.reports.plots import plot_budget_transfer, plot_coverage
+from canopy.reports.viewer import build_viewer
 from canopy.rollout.agent_loop import Budget
 from canopy.rollout.engine import SamplingParams
-from canopy.tools.plots import plot_budget_transfer, plot_coverage
-from canopy.tools.viewer import build_viewer
 
 
 def train_view(cfg: DictConfig) -> DictConfig:
@@ -54,16 +53,16 @@ def main(cfg: DictConfig) -> None:
         engine = build_engine(cfg, model_path, tokenizer)  # applies budget.rope_scaling (YaRN) when set
         tasks = env.tasks(cfg.data.split if cfg.pilot else cfg.split)
         trajectory_log = build_trajectory_log(cfg, tokenizer, model_path, out_dir / "trajectories")
-    except (ConfigError, ValueError) as error:
+    except RunStopped as error:
+        sys.exit(f"{error.label}: {error}")
+    except ValueError as error:
         sys.exit(f"config error: {error}")
-    except SystemicFaultError as error:
-        sys.exit(f"environment error: {error}")
     if weights is not None:
         engine.update_weights(weights, version=0)
     try:
         run(cfg, env, engine, tokenizer, tasks, out_dir, trajectory_log)
-    except SystemicFaultError as error:
-        sys.exit(f"environment error: {error}")
+    except RunStopped as error:
+        sys.exit(f"{error.label}: {error}")
     finally:
         if trajectory_log is not None:
             trajectory_log.close()

@@ -20,17 +20,15 @@ from canopy.build import (
 )
 from canopy.callbacks import FormatDriftError, RolloutViewer, build_callbacks
 from canopy.config import check_command_line, check_context, mean_group_size, validate
-from canopy.envs.base import SystemicFaultError
-from canopy.errors import ConfigError
+from canopy.errors import ConfigError, RunStopped
 from canopy.loggers import build_loggers, finish_loggers
 from canopy.memory import check_memory
-from canopy.mismatch import OffPolicyError
 from canopy.models.hf_checkpoint import write_hf_checkpoint
 from canopy.modules.canopy_module import silence_benign_warnings
 from canopy.modules.checkpoint import AtomicCheckpoint
 from canopy.modules.parallel import end_rank
-from canopy.tools.plots import training_plots
-from canopy.tools.summary import BaseSuccess, training_task_report, write_summary
+from canopy.reports.plots import training_plots
+from canopy.reports.summary import BaseSuccess, training_task_report, write_summary
 
 
 @hydra.main(config_path="conf", config_name="train", version_base="1.3")
@@ -93,13 +91,12 @@ def main(cfg: DictConfig) -> None:
     viewer = next((c for c in callbacks if isinstance(c, RolloutViewer)), None)
     try:
         trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.checkpoint.resume)
-    except (SystemicFaultError, OffPolicyError, ConfigError, FormatDriftError) as error:
+    except RunStopped as error:
         datamodule.teardown("fit")  # every rank stops; rank 0 says why
         engine.close()
         if isinstance(error, FormatDriftError) and viewer and trainer.is_global_zero:
             viewer.final(run_dir)  # the page its message points at, with the episodes logged up to the stop
-        kind = {SystemicFaultError: "environment error", OffPolicyError: "off-policy", FormatDriftError: "format drift"}
-        sys.exit(f"{kind.get(type(error), 'config error')}: {error}" if trainer.is_global_zero else 1)
+        sys.exit(f"{error.label}: {error}" if trainer.is_global_zero else 1)
 
     final_weights = module.iter_hf_weights()  # a collective when sharded: every rank walks it, rank 0 writes it
     if not trainer.is_global_zero:

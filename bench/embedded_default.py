@@ -22,7 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from canopy.tools.tb_scalars import read_scalars  # noqa: E402
+from canopy.reports.tb_scalars import read_scalars  # noqa: E402
 
 PHASES = ["time/generation", "time/env", "time/reference", "time/update", "engine/prefill_tokens"]
 

@@ -60,7 +60,7 @@ from canopy.callbacks import RolloutViewer  # noqa: E402
 from canopy.config import compose_config  # noqa: E402
 from canopy.modules.logprobs import model_token_logprobs, sequence_inputs  # noqa: E402
 from canopy.modules.policy import load_policy  # noqa: E402
-from canopy.tools.viewer import build_viewer  # noqa: E402
+from canopy.reports.viewer import build_viewer  # noqa: E402
 from canopy.trajectories import INDEX, Sampling, TrajectoryLog, read_index  # noqa: E402
 
 DESIGNS = ("thread", "process")  # the writer as it was (a thread of the training process), and as it is

@@ -40,9 +40,9 @@ sys.path.insert(0, str(ROOT))
 
 
 from canopy.config import compose_config  # noqa: E402
-from canopy.tools.plots import plot_check_bars, plot_check_curves  # noqa: E402
-from canopy.tools.stats import bootstrap_mean, describe, paired_difference  # noqa: E402
-from canopy.tools.tb_scalars import read_scalars  # noqa: E402
+from canopy.reports.plots import plot_check_bars, plot_check_curves  # noqa: E402
+from canopy.reports.stats import bootstrap_mean, describe, paired_difference  # noqa: E402
+from canopy.reports.tb_scalars import read_scalars  # noqa: E402
 
 FAULT_RATE = 0.04  # Appendix G pair: per action; 13-14% of the embedded episodes, more of the long (failing) ones
 LAST = 10  # train success and entropy: the mean of the last LAST steps (one step's value is noisy at n x tasks)

@@ -24,6 +24,7 @@ from canopy.eval.settings import EvalSettings
 from canopy.mismatch import RolloutCorrection
 from canopy.models import MODEL_FAMILIES, ModelSettings
 from canopy.models.hf_checkpoint import native_positions
+from canopy.models.tiny import TINY_TOKENIZERS
 from canopy.modules.canopy_module import (  # the module checks CP_* again
     CP_NEEDS_GPU,
     CP_SEQ_MEAN,
@@ -33,13 +34,12 @@ from canopy.modules.canopy_module import (  # the module checks CP_* again
 )
 from canopy.modules.checkpoint import checkpoint_kind
 from canopy.modules.parallel import ParallelSettings
+from canopy.reports.summary import ReportSettings
 from canopy.rollout.agent_loop import BudgetSettings
 from canopy.rollout.engine import SamplingParams
 from canopy.rollout.settings import EngineSettings, LocalEngineSettings
 from canopy.rollout.sglang.settings import SGLangSettings
 from canopy.rollout.vllm.settings import VLLMSettings
-from canopy.tools.summary import ReportSettings
-from canopy.tools.tiny_model import TINY_TOKENIZERS
 from canopy.trajectories import TrajectorySettings
 
 SCHEMAS = (

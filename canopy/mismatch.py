@@ -20,14 +20,16 @@ from dataclasses import dataclass
 
 import torch
 
-from canopy.errors import require
+from canopy.errors import RunStopped, require
 
 CORRECTIONS = ("none", "token_tis", "token_mask", "sequence_mask")
 
 
-class OffPolicyError(RuntimeError):
+class OffPolicyError(RunStopped, RuntimeError):
     """Strict on-policy training cannot go on: tokens sampled by other weights, or an engine-trainer gap beyond
     its bound (the engine does not sample from the weights the trainer learns from)."""
+
+    label = "off-policy"
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from canopy.tools.tb_scalars import read_scalars  # noqa: E402
+from canopy.reports.tb_scalars import read_scalars  # noqa: E402
 
 STEP_TIMES = ("time/env", "time/generation", "time/reference", "time/update", "time/weight_sync")
 WIDE_BOUNDS = "{parity: 10, warn: 10, stop: 10}"

@@ -10,8 +10,8 @@ import pytest  # noqa: E402
 from filelock import FileLock  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
+from canopy.models.tiny import build_tiny_checkpoint
 from canopy.modules.canopy_module import silence_benign_warnings
-from canopy.tools.tiny_model import build_tiny_checkpoint
 
 # The longest files of `make test` (its --durations), started first: pytest-xdist (--dist loadfile) hands out files in
 # collection order, and one of these collected last keeps a worker busy minutes after the other has finished.
@@ -68,7 +68,7 @@ def warm_tiny_model(folder: Path, *overrides: str) -> Path:
     """The embedded default's tiny model format-warmed for 30 steps, built at `folder` as
     `train.py model.tiny.dir=<folder> model.tiny.format_warmup_steps=30 <overrides>` builds it."""
     from canopy.build import ensure_model
-    from tests.test_config import config
+    from tests.helpers import config
 
     return Path(ensure_model(config(f"model.tiny.dir={folder}", "model.tiny.format_warmup_steps=30", *overrides)))
 
@@ -92,7 +92,7 @@ def short_run(tmp_path_factory, warm_tiny):
     """One short `train.py` run of the embedded default that several tests read (tests/test_train.py,
     test_callbacks.py, test_loggers.py): 3 steps, its episodes served by 4 worker processes, evaluated at both
     budgets after every step, logged to W&B (offline) and MLflow beside TensorBoard. (run dir, completed process)"""
-    from tests.test_train import train
+    from tests.helpers import train
 
     overrides = ("env.pool.workers=4", "eval.every_n_steps=1", "logger=[wandb,mlflow]", "logger.wandb.mode=offline")
     return train(tmp_path_factory.mktemp("short_run"), warm_tiny, 3, *overrides)

@@ -14,31 +14,25 @@ import pytest
 
 from canopy.envs.appworld import AppWorldEnvironment
 from canopy.envs.base import AgentFailure, EnvironmentFault, SystemicFaultError, Verdict
-from canopy.envs.pool import EnvironmentPool, PoolSettings
+from canopy.envs.pool import EnvironmentPool
 from canopy.eval.metrics import summarize
+from canopy.models.tiny import build_byte_tokenizer
 from canopy.rollout.agent_loop import Budget, run_episodes
 from canopy.rollout.engine import Generation, SamplingParams
-from canopy.tools.tiny_model import build_byte_tokenizer
+from tests.helpers import APPWORLD_PYTHON, APPWORLD_SETTINGS, APPWORLD_SYNTHETIC_DATA, ROOT, code
 
-REPO = Path(__file__).resolve().parents[1]
-PYTHON = REPO / ".venv-appworld" / "bin" / "python"
-pytestmark = pytest.mark.skipif(not PYTHON.is_file(), reason="AppWorld's venv is missing: run `make appworld`")
-SETTINGS = PoolSettings(workers=2, memory_mb=4096, request_timeout_s=120, health_timeout_s=10, start_timeout_s=120)
+pytestmark = pytest.mark.skipif(not APPWORLD_PYTHON.is_file(), reason="AppWorld's venv is missing: run `make appworld`")
 BUDGET = Budget(
     max_turns=3, max_response_tokens=4096, max_prompt_tokens=8192, max_observation_tokens=2048, max_context_tokens=32768
 )
 
 
-def code(text):
-    return f"Next step.\n```python\n{text}\n```"
-
-
 @pytest.fixture(scope="module")
 def env_kwargs(tmp_path_factory):
     root = tmp_path_factory.mktemp("appworld") / "root"
-    subprocess.run([str(PYTHON), str(REPO / "scripts" / "appworld_synthetic_data.py"), str(root)], check=True)
+    subprocess.run([str(APPWORLD_PYTHON), str(APPWORLD_SYNTHETIC_DATA), str(root)], check=True)
     return {
-        "python": str(PYTHON),
+        "python": str(APPWORLD_PYTHON),
         "root": str(root),
         "cell_timeout_s": 2,
         "request_timeout_s": 30,
@@ -48,7 +42,7 @@ def env_kwargs(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def pool(env_kwargs):
-    pool = EnvironmentPool("canopy.envs.appworld:AppWorldEnvironment", env_kwargs, SETTINGS)
+    pool = EnvironmentPool("canopy.envs.appworld:AppWorldEnvironment", env_kwargs, APPWORLD_SETTINGS)
     yield pool
     pool.close()
 
@@ -139,9 +133,9 @@ def test_scripted_episodes_pass_fail_and_score_tgc_sgc(scripted):
 def test_appworld_episodes_are_logged_and_shown_in_the_viewer(scripted, tmp_path):
     """The trajectory log and the rollout viewer on AppWorld: the policy's code and the real app's answer, turn by
     turn in a headless Chromium; the wrong answer's episode with its partial verdict and zero reward."""
-    from canopy.tools.viewer import build_viewer
+    from canopy.reports.viewer import build_viewer
     from canopy.trajectories import Sampling, TrajectoryLog, read_step
-    from tests.test_viewer import dom, element
+    from tests.helpers import dom, element
 
     tokenizer, tasks, trajectories = scripted
     log = TrajectoryLog(tmp_path / "trajectories", tokenizer, "m", Sampling(), "sparse")
@@ -251,7 +245,7 @@ def test_appworld_config_names_the_fix(env_kwargs, tiny_path, override, message)
     from canopy.build import build_env
     from canopy.config import validate
     from canopy.errors import ConfigError
-    from tests.test_config import config
+    from tests.helpers import config
 
     def checked(cfg):
         validate(cfg)
@@ -305,7 +299,9 @@ def test_servers_never_write_to_the_users_home(env_kwargs, monkeypatch, tmp_path
     for variable in ("XDG_CACHE_HOME", "XDG_CONFIG_HOME", "XDG_DATA_HOME", "IPYTHONDIR", "APPWORLD_CACHE"):
         monkeypatch.delenv(variable, raising=False)
     scratch = Path(tempfile.mkdtemp(prefix="canopy-home-"))  # short: a server's socket path lies below it
-    pool = EnvironmentPool("canopy.envs.appworld:AppWorldEnvironment", env_kwargs, SETTINGS, scratch_root=scratch)
+    pool = EnvironmentPool(
+        "canopy.envs.appworld:AppWorldEnvironment", env_kwargs, APPWORLD_SETTINGS, scratch_root=scratch
+    )
     try:
         episode = pool.start(pool.tasks("train")[0], seed=0)
         observation = episode.step(code("import os\nprint('home is', os.path.expanduser('~'))")).observation
@@ -323,7 +319,7 @@ def test_a_scratch_root_too_long_for_the_servers_sockets_stops_the_pool_at_start
     """Unix socket paths hold 107 bytes: a scratch root that leaves no room for a server's socket is a broken
     setup, named with its fix when the workers start, not a fault quarantined episode after episode."""
     deep = tmp_path / ("d" * 60) / ("e" * 40)
-    pool = EnvironmentPool("canopy.envs.appworld:AppWorldEnvironment", env_kwargs, SETTINGS, scratch_root=deep)
+    pool = EnvironmentPool("canopy.envs.appworld:AppWorldEnvironment", env_kwargs, APPWORLD_SETTINGS, scratch_root=deep)
     try:
         with pytest.raises(SystemicFaultError, match="over the 107 a unix socket path may have: give the environment"):
             pool.tasks("train")
@@ -370,7 +366,7 @@ def test_a_broken_setup_stops_training_and_evaluation_with_one_line(env_kwargs, 
         "report.eval_samples_per_task=0",
         *extra,
     ]
-    run = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
+    run = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert run.returncode == 1
     last = run.stderr.strip().splitlines()[-1].split("\r")[-1].strip()
     what = "rollout step 0" if entry == "train.py" else "eval base"

@@ -10,9 +10,9 @@ import pytest
 from canopy.envs.appworld import AppWorldEnvironment
 from canopy.envs.base import AgentFailure, Verdict
 from canopy.envs.pool import EnvironmentPool
-from tests.test_appworld import PYTHON, REPO, SETTINGS, code
+from tests.helpers import APPWORLD_PYTHON, APPWORLD_SETTINGS, APPWORLD_SYNTHETIC_DATA, code
 
-pytestmark = pytest.mark.skipif(not PYTHON.is_file(), reason="AppWorld's venv is missing: run `make appworld`")
+pytestmark = pytest.mark.skipif(not APPWORLD_PYTHON.is_file(), reason="AppWorld's venv is missing: run `make appworld`")
 TASK, WRONG_ANSWER = "a1a1a1a_2", 8  # "What is 3 plus 4?"
 DESERVED = Verdict(1, 2)  # the task is marked complete, the answer is wrong
 ROOT = "__import__('os').environ['APPWORLD_ROOT']"
@@ -52,7 +52,7 @@ ATTACKS = {
 @pytest.fixture(scope="module")
 def clean_root(tmp_path_factory):
     root = tmp_path_factory.mktemp("appworld") / "root"
-    subprocess.run([str(PYTHON), str(REPO / "scripts" / "appworld_synthetic_data.py"), str(root)], check=True)
+    subprocess.run([str(APPWORLD_PYTHON), str(APPWORLD_SYNTHETIC_DATA), str(root)], check=True)
     return root
 
 
@@ -60,7 +60,7 @@ def environment(clean_root, folder):
     """An environment on a fresh copy of the data."""
     root = folder / "root"
     shutil.copytree(clean_root, root)
-    env = AppWorldEnvironment(python=str(PYTHON), root=str(root), cell_timeout_s=5, request_timeout_s=30)
+    env = AppWorldEnvironment(python=str(APPWORLD_PYTHON), root=str(root), cell_timeout_s=5, request_timeout_s=30)
     yield env
     env.discard_server()
     if env.judge is not None:
@@ -162,8 +162,10 @@ def test_an_episode_cannot_read_a_concurrent_episodes_end_state(clean_root, tmp_
     state hold the answer; the second searches the disk for them."""
     root = tmp_path / "root"
     shutil.copytree(clean_root, root)
-    kwargs = {"python": str(PYTHON), "root": str(root), "cell_timeout_s": 5, "request_timeout_s": 30}
-    pool = EnvironmentPool("canopy.envs.appworld:AppWorldEnvironment", kwargs, SETTINGS, scratch_root=tmp_path / "s")
+    kwargs = {"python": str(APPWORLD_PYTHON), "root": str(root), "cell_timeout_s": 5, "request_timeout_s": 30}
+    pool = EnvironmentPool(
+        "canopy.envs.appworld:AppWorldEnvironment", kwargs, APPWORLD_SETTINGS, scratch_root=tmp_path / "s"
+    )
     try:
         tasks = {t.task_id: t for t in pool.tasks("train")}
         honest, thief = pool.start(tasks[TASK], seed=0), pool.start(tasks[TASK], seed=1)

@@ -27,12 +27,11 @@ from canopy.envs.base import Task
 from canopy.envs.embedded import EmbeddedEnvironment
 from canopy.errors import ConfigError
 from canopy.mismatch import OffPolicyError
+from canopy.reports.tb_scalars import read_scalars
 from canopy.rollout.engine import LocalEngine
 from canopy.step import StepStats, same_task_groups
-from canopy.tools.tb_scalars import read_scalars
 from canopy.trajectories import Sampling, TrajectoryLog, read_step
-from tests.test_config import config
-from tests.test_datamodule import trajectory
+from tests.helpers import config, trajectory
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -35,7 +35,7 @@ def test_several_processes_on_an_older_torch_are_refused_one_is_not(monkeypatch)
 
 def test_train_refuses_fsdp_on_an_older_torch_before_building_anything(monkeypatch, tmp_path):
     from canopy.build import build_strategy
-    from tests.test_config import config
+    from tests.helpers import config
 
     monkeypatch.setattr(compat, "version", lambda package: "2.11.0")
     with pytest.raises(ConfigError, match="torch >= 2.13"):

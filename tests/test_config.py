@@ -6,14 +6,11 @@ import pytest
 import torch
 
 from canopy.build import build_env
-from canopy.config import compose_config, validate
+from canopy.config import validate
 from canopy.errors import ConfigError
+from tests.helpers import config
 
 CORRECTION_OFF = {"mode": "none", "tis_cap": 2.0, "token_bounds": [0.5, 5.0], "sequence_bounds": [0.99, 1.01]}
-
-
-def config(*overrides):
-    return compose_config(overrides)
 
 
 def test_default_is_the_embedded_experiment_and_valid():

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from tests.test_train import train_args
+from tests.helpers import train_args
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow

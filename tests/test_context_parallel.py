@@ -149,7 +149,7 @@ def test_sequence_inputs_shard_whole_loss_terms_head_tail():
 def test_cp_refusals_name_the_fix():
     """seq-mean needs whole sequences per rank; SDPA's CP dispatch needs GPUs. Both fail at start, in one line."""
     from canopy.config import validate
-    from tests.test_config import config
+    from tests.helpers import config
 
     with pytest.raises(ConfigError, match="use token-mean"):
         validate(config("parallelism.cp=2", "trainer.accelerator=gpu", "algorithm.loss_aggregation=seq-mean"))

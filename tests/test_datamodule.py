@@ -4,33 +4,12 @@ import pytest
 import torch
 
 from canopy.coverage import AdaptiveGroupSettings, signal_coverage
-from canopy.envs.base import Task, Verdict
+from canopy.envs.base import Task
 from canopy.envs.embedded import EmbeddedEnvironment
-from canopy.rollout.agent_loop import Budget, Trajectory
-from canopy.rollout.engine import LocalEngine, SamplingParams
+from canopy.rollout.engine import LocalEngine
 from canopy.step import AdaptiveGroups, Group, StepStats, pack, same_task_groups, score_groups
-from tests import settings
+from tests.helpers import datamodule, group_advantages, trajectory
 from tests.scripted import ScriptedEngine
-from tests.test_objective import group_advantages
-
-BUDGET = Budget(
-    max_turns=4, max_response_tokens=64, max_prompt_tokens=128, max_observation_tokens=32, max_context_tokens=512
-)
-
-
-def trajectory(task, i, success=None, quarantine=None, length=5, version=0):
-    t = Trajectory(task, i, list(range(length)), [0, 0] + [1] * (length - 2), [0.0] * length, 2)
-    t.token_versions = [-1, -1] + [version] * (length - 2)
-    if quarantine:
-        t.quarantine, t.ending = quarantine, "quarantined"
-    else:
-        t.verdict, t.ending = Verdict(int(success), 1), "done"
-    return t
-
-
-def datamodule(tokenizer, engine, **kwargs):
-    args = dict(split="train", tasks_per_step=3, group_size=4, budget=BUDGET, sampling=SamplingParams(), seed=0)
-    return settings.datamodule(EmbeddedEnvironment(), engine, tokenizer, **{**args, **kwargs})
 
 
 def test_score_groups_quarantines_before_advantages():

@@ -29,8 +29,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def letters() -> dict:
-    """The worked example's module (`tests/test_own_environment.py`, docs/environments.md), executed."""
-    from tests.test_own_environment import LETTERS_ENV
+    """The worked example's module (`tests/helpers.py`, docs/environments.md), executed."""
+    from tests.helpers import LETTERS_ENV
 
     namespace: dict = {}
     exec(LETTERS_ENV, namespace)

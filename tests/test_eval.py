@@ -26,9 +26,9 @@ from canopy.eval.runner import (
     write_results,
 )
 from canopy.modules.policy import load_policy
+from canopy.reports.summary import write_summary
 from canopy.rollout.agent_loop import Budget, invalid_action_fracs
 from canopy.rollout.engine import LocalEngine, SamplingParams
-from canopy.tools.summary import write_summary
 from canopy.trajectories import read_step
 from tests.scripted import ScriptedEngine
 

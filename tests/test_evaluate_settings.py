@@ -8,7 +8,7 @@ from omegaconf import OmegaConf
 from canopy.config import check_context, compose_config
 from canopy.errors import ConfigError
 from canopy.eval.from_run import inherited_overrides, run_dir_of
-from tests.test_config import config
+from tests.helpers import config
 
 
 @pytest.fixture

@@ -13,8 +13,8 @@ from canopy.rollout.agent_loop import Budget, Trajectory, run_episodes
 from canopy.rollout.engine import EngineFault, SamplingParams
 from canopy.rollout.faults import check_systemic_faults
 from tests.faulty_envs import FailingEnvironment
+from tests.helpers import datamodule
 from tests.scripted import ScriptedEngine
-from tests.test_datamodule import datamodule
 
 BUDGET = Budget(
     max_turns=4, max_response_tokens=64, max_prompt_tokens=128, max_observation_tokens=32, max_context_tokens=512

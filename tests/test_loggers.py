@@ -9,8 +9,8 @@ from lightning.pytorch.loggers import MLFlowLogger, TensorBoardLogger, WandbLogg
 
 from canopy.errors import ConfigError
 from canopy.loggers import EPISODE_COLUMNS, build_loggers
-from canopy.tools.tb_scalars import read_scalars
-from tests.test_config import config
+from canopy.reports.tb_scalars import read_scalars
+from tests.helpers import config
 
 
 def test_the_group_composes_tensorboard_first_and_checks_its_values(tmp_path):

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from canopy.objective import canopy_loss, k3_kl, step_advantages
+from tests.helpers import group_advantages
 
 RECIPE = dict(clip_low=0.2, clip_high=0.2, kl_coef=1e-4, aggregation="token-mean")  # algorithm.* of conf/train.yaml
 
@@ -15,11 +16,6 @@ def loss_of(*args, **values):
 
 def ones(n):
     return torch.ones(n, dtype=torch.bool)
-
-
-def group_advantages(rewards: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """Eq. 3 for one group: `step_advantages` of a single group whose invalid entries are its quarantined ones."""
-    return step_advantages(rewards[None], ~valid[None])[0]
 
 
 # ---------------------------------------------------------------- advantages (Eq. 3, Appendix B, Appendix G)

@@ -16,55 +16,14 @@ from omegaconf import OmegaConf
 from canopy.envs import available, environment_kwargs, environment_module
 from canopy.envs.base import Verdict
 from canopy.errors import ConfigError
+from canopy.models.tiny import build_byte_tokenizer, build_tokenizer
 from canopy.rollout.agent_loop import Budget, run_episodes
 from canopy.rollout.engine import SamplingParams
-from canopy.tools.tiny_model import build_byte_tokenizer, build_tokenizer
 from canopy.trajectories import read_step
+from tests.helpers import LETTERS_ENV, config
 from tests.scripted import ScriptedEngine
-from tests.test_config import config
 
 ROOT = Path(__file__).resolve().parents[1]
-LETTERS_ENV = '''
-"""Letters: write any text containing the task's letter (a float verifier)."""
-from canopy.envs.base import StepResult, Task, Verdict
-
-LETTERS = "etaoinsh"
-
-
-class LettersEpisode:
-    def __init__(self, task):
-        self.task, self.reply = task, ""
-
-    def messages(self):
-        return [{"role": "user", "content": f"Write any text that contains the letter {self.task.spec['letter']}."}]
-
-    def step(self, action_text):
-        self.reply = action_text
-        return StepResult("thanks", done=True)
-
-    def verdict(self):
-        return Verdict.from_score(float(self.task.spec["letter"] in self.reply))
-
-    def close(self):
-        pass
-
-
-class LettersEnvironment:
-    name = "letters"
-    max_concurrent_episodes = None  # in-process
-
-    def tasks(self, split):
-        return [Task(f"{split}-{c}", 1 + i % 2, "letters", {"letter": c}) for i, c in enumerate(LETTERS)]
-
-    def start(self, task, seed):
-        return LettersEpisode(task)
-
-    def close(self):
-        pass
-
-
-ENVIRONMENT = LettersEnvironment
-'''
 
 
 @pytest.fixture

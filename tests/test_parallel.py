@@ -12,10 +12,9 @@ import pytest
 import torch
 
 from canopy.modules.policy import read_hf_weights
-from canopy.tools.tb_scalars import read_scalars
+from canopy.reports.tb_scalars import read_scalars
+from tests.helpers import datamodule, train, train_args
 from tests.parallel_worker import free_port, run_ranks
-from tests.test_datamodule import datamodule
-from tests.test_train import train, train_args
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMON = ("report.eval_samples_per_task=0", "checkpoint.every_n_steps=0")  # the runs compared with one process
@@ -146,7 +145,7 @@ def test_parallel_degrees_must_match_devices_and_nodes():
     from canopy.build import build_strategy
     from canopy.config import validate
     from canopy.errors import ConfigError
-    from tests.test_config import config
+    from tests.helpers import config
 
     with pytest.raises(ConfigError, match="trainer.devices=2 x trainer.num_nodes=1"):
         validate(config("trainer.devices=2"))

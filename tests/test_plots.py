@@ -4,7 +4,7 @@ import matplotlib.pyplot as plt
 import pytest
 from torch.utils.tensorboard import SummaryWriter
 
-from canopy.tools.plots import (
+from canopy.reports.plots import (
     DPI,
     plot_budget_transfer,
     plot_check_bars,
@@ -14,7 +14,7 @@ from canopy.tools.plots import (
     plot_group_composition,
     training_plots,
 )
-from canopy.tools.stats import Estimate
+from canopy.reports.stats import Estimate
 
 SERIES = {
     "reward/success": [(s, 0.3 + 0.06 * s) for s in range(10)],

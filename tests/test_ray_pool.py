@@ -19,11 +19,11 @@ from canopy.envs.base import AgentFailure, EnvironmentFault, SystemicFaultError,
 from canopy.envs.pool import EnvironmentPool, PoolSettings
 from canopy.envs.ray_pool import RayEnvironment
 from canopy.errors import ConfigError
+from canopy.reports.tb_scalars import read_scalars
 from canopy.rollout.agent_loop import Budget, run_episodes
 from canopy.rollout.engine import SamplingParams
-from canopy.tools.tb_scalars import read_scalars
+from tests.helpers import train
 from tests.scripted import ScriptedEngine
-from tests.test_train import train
 
 ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.timeout(300)  # a cluster that stops answering fails its test, never holds the suite

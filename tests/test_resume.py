@@ -12,8 +12,8 @@ import torch
 
 from canopy.config import validate
 from canopy.errors import ConfigError
-from canopy.tools.tb_scalars import read_scalars
-from tests.test_config import config
+from canopy.reports.tb_scalars import read_scalars
+from tests.helpers import config
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 6  # a checkpoint at step 4 and two steps after it

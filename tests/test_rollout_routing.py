@@ -8,50 +8,15 @@ import time
 
 import pytest
 from fake_sglang import FakeGateway, FakeSGLang
-from test_sglang_engine import engine_for, tiny_weights
 
-from canopy.envs.base import StepResult, Task, Verdict
+from canopy.envs.base import Task, Verdict
+from canopy.models.tiny import build_byte_tokenizer
 from canopy.rollout.agent_loop import Budget, run_episodes
 from canopy.rollout.engine import SamplingParams
-from canopy.tools.tiny_model import build_byte_tokenizer
+from tests.helpers import CountdownEnvironment, sglang_engine_for, tiny_weights
 
 BUDGET = Budget(max_turns=20, max_response_tokens=400, max_prompt_tokens=128, max_observation_tokens=16,
                 max_context_tokens=2048)  # fmt: skip
-
-
-class CountdownEpisode:
-    """Lasts `turns` turns whatever the agent says; each step takes `step_s`."""
-
-    def __init__(self, task: Task, step_s: float):
-        self.task, self.left, self.step_s = task, task.spec["turns"], step_s
-
-    def messages(self):
-        return [{"role": "user", "content": f"episode {self.task.task_id}"}]
-
-    def step(self, action_text):
-        time.sleep(self.step_s)
-        self.left -= 1
-        return StepResult("ok", done=self.left == 0)
-
-    def verdict(self):
-        return Verdict(1, 1)
-
-    def close(self):
-        pass
-
-
-class CountdownEnvironment:
-    name = "countdown"
-    max_concurrent_episodes = 64  # as a pool of workers: episodes run their steps in threads
-
-    def __init__(self, step_s: float = 0.0):
-        self.step_s = step_s
-
-    def start(self, task, seed):
-        return CountdownEpisode(task, self.step_s)
-
-    def close(self):
-        pass
 
 
 def jobs(count: int, turns: int) -> list[tuple[Task, int]]:
@@ -81,7 +46,7 @@ def servers():
 
 def test_every_turn_of_an_episode_goes_to_one_server(tiny_path, tokenizer, tmp_path, servers):
     tokenizer = build_byte_tokenizer()  # the prompt names its episode exactly
-    engine = engine_for(tiny_path, tmp_path, servers, concurrency=64)
+    engine = sglang_engine_for(tiny_path, tmp_path, servers, concurrency=64)
     trajectories, _ = run_episodes(engine, CountdownEnvironment(), tokenizer, jobs(24, 5), BUDGET, SamplingParams())
     assert all(t.verdict == Verdict(1, 1) and t.num_turns == 5 for t in trajectories)
     assert all(len(numbers) == 1 for numbers in episode_servers(servers, tokenizer).values())
@@ -91,7 +56,7 @@ def test_every_turn_of_an_episode_goes_to_one_server(tiny_path, tokenizer, tmp_p
 
 
 def test_a_dying_server_is_ejected_then_readmitted_and_no_episode_is_lost(tiny_path, tokenizer, tmp_path, servers):
-    engine = engine_for(tiny_path, tmp_path, servers, concurrency=64, max_retries=2)
+    engine = sglang_engine_for(tiny_path, tmp_path, servers, concurrency=64, max_retries=2)
     engine.router.health_interval_s = 0.05
     victim = servers[0]
     port = int(victim.url.rsplit(":", 1)[1])
@@ -130,7 +95,7 @@ def test_a_server_on_other_weights_is_ejected_and_its_samples_are_drawn_again(ti
     """A server restarted at its old address (base weights) while requests were on their way to it: each sample it
     returns is discarded and drawn again on a server with the engine's weights (this test's dying-server sibling
     once failed on exactly this race, with StaleSampleError)."""
-    engine = engine_for(tiny_path, tmp_path, servers, concurrency=64)
+    engine = sglang_engine_for(tiny_path, tmp_path, servers, concurrency=64)
     engine.router.health_interval_s = 0.05
     servers[0].version = "default"  # as a restarted server reports, until re-synced
     env = CountdownEnvironment()
@@ -143,7 +108,7 @@ def test_a_server_on_other_weights_is_ejected_and_its_samples_are_drawn_again(ti
 
 def test_requests_failing_everywhere_quarantine_their_episodes_and_are_counted(tiny_path, tokenizer, tmp_path):
     server = FakeSGLang()
-    engine = engine_for(tiny_path, tmp_path, [server], max_retries=1)
+    engine = sglang_engine_for(tiny_path, tmp_path, [server], max_retries=1)
     server.stop()
     trajectories, _ = run_episodes(engine, CountdownEnvironment(), tokenizer, jobs(3, 2), BUDGET, SamplingParams())
     assert [t.quarantine for t in trajectories] == ["engine_request_failed"] * 3
@@ -189,7 +154,7 @@ def test_a_gateway_carries_the_data_plane_keyed_by_episode(tiny_path, tmp_path, 
     tokenizer = build_byte_tokenizer()
     gateway = FakeGateway(servers)
     try:
-        engine = engine_for(tiny_path, tmp_path, servers, router_url=gateway.url)
+        engine = sglang_engine_for(tiny_path, tmp_path, servers, router_url=gateway.url)
         trajectories, _ = run_episodes(
             engine, CountdownEnvironment(), tokenizer, jobs(12, 4), BUDGET, SamplingParams(), concurrency=12
         )

@@ -22,8 +22,8 @@ from canopy.datamodules.rollout import RolloutDataModule, RolloutStream, split_r
 from canopy.envs.base import SystemicFaultError, Task
 from canopy.envs.embedded import EmbeddedEnvironment
 from canopy.step import pack
+from tests.helpers import BUDGET, trajectory
 from tests.parallel_worker import free_port
-from tests.test_datamodule import BUDGET, trajectory
 
 ROLLOUT_S, COLLECTIVE_TIMEOUT_S = 3.5, 2
 

@@ -26,7 +26,6 @@ from sglang_contract import (
     check_route,
     load_api,
 )
-from test_sglang_engine import config, engine_for, tiny_weights
 
 from canopy.rollout import http, sglang
 from canopy.rollout.engine import SamplingParams
@@ -34,6 +33,7 @@ from canopy.rollout.http import fleet as http_fleet
 from canopy.rollout.http import routing as http_routing
 from canopy.rollout.sglang import SGLangSettings
 from canopy.rollout.sglang import servers as sglang_servers
+from tests.helpers import config, sglang_engine_for, tiny_weights
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -54,7 +54,7 @@ def canopy_requests(tiny_path, work: Path, routes=ROUTES) -> list:
     distributed weight syncs (the group is formed once; its process group and broadcasts stubbed: no NCCL here)."""
     servers = [FakeSGLang(routes=routes), FakeSGLang(routes=routes)]
     try:
-        engine = engine_for(tiny_path, work / "disk", servers)
+        engine = sglang_engine_for(tiny_path, work / "disk", servers)
         engine.router.health_interval_s = 0.01
         run = OmegaConf.to_container(config().sampling)
         sampling = SamplingParams(**{k: run[k] for k in ("temperature", "top_p", "top_k")})
@@ -68,7 +68,7 @@ def canopy_requests(tiny_path, work: Path, routes=ROUTES) -> list:
         engine.update_weights(tiny_weights(tiny_path, 0.01).items(), 1)
         engine.generate([[5, 6]], [4], sampling, keys=["e0"])
         engine.close()
-        engine = engine_for(
+        engine = sglang_engine_for(
             tiny_path,
             work / "distributed",
             servers,

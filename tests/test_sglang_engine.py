@@ -17,7 +17,7 @@ from transformers import Qwen3ForCausalLM
 
 from canopy.build import build_engine
 from canopy.callbacks import BudgetTransferEval
-from canopy.config import compose_config, validate
+from canopy.config import validate
 from canopy.envs.base import Task
 from canopy.envs.embedded import EmbeddedEnvironment
 from canopy.errors import ConfigError
@@ -28,8 +28,8 @@ from canopy.rollout.sglang import SGLangEngine, SGLangSettings, StaleSampleError
 from canopy.rollout.sglang.servers import launch_command
 from canopy.rollout.sglang.weight_sync import GROUP_NAME, broadcast_from_trainer, init_custom_process_group
 from tests.fake_sglang import FakeSGLang
+from tests.helpers import STOPS, config, sglang_engine_for, tiny_weights
 
-STOPS = [2, 0]  # <|im_end|>, <|endoftext|> in the tiny tokenizer
 ROOT = Path(__file__).resolve().parents[1]
 CONF = str(ROOT / "conf")
 
@@ -47,21 +47,9 @@ def fake():
         server.stop()
 
 
-def engine_for(tiny_path, tmp_path, servers, **overrides):
-    settings = dict(urls=[s.url for s in servers], sync_dir=str(tmp_path / "sync"), max_retries=2, concurrency=8)
-    engine_keys = ("shard_bytes", "bucket_bytes", "init_group", "broadcast")
-    engine_kwargs = {k: overrides.pop(k) for k in engine_keys if k in overrides}
-    settings = SGLangSettings(**{**settings, **overrides})
-    return SGLangEngine(tiny_path, STOPS, settings, retry_backoff_s=0.0, **engine_kwargs)
-
-
-def tiny_weights(tiny_path, shift=0.0):
-    return {name: tensor + shift for name, tensor in load_file(Path(tiny_path) / "model.safetensors").items()}
-
-
 def test_attach_resets_to_base_then_requests_and_replies(tiny_path, tmp_path, fake):
     server = fake()
-    engine = engine_for(tiny_path, tmp_path, [server])
+    engine = sglang_engine_for(tiny_path, tmp_path, [server])
     assert server.paths() == ["/health_generate", "/update_weights_from_disk", "/model_info"]
     assert server.calls[1][1] == {"model_path": str(Path(tiny_path).resolve()), "weight_version": "0"}
 
@@ -90,7 +78,7 @@ def test_attach_resets_to_base_then_requests_and_replies(tiny_path, tmp_path, fa
 
 def test_requests_go_to_the_server_with_fewest_in_flight(tiny_path, tmp_path, fake):
     a, b = fake(delay=0.2), fake(delay=0.2)
-    engine = engine_for(tiny_path, tmp_path, [a, b])
+    engine = sglang_engine_for(tiny_path, tmp_path, [a, b])
     generations = engine.generate([[5, i] for i in range(8)], [4] * 8, SamplingParams())
     assert all(g.token_ids == [7, 8, 2] for g in generations)
     assert len(a.bodies("/generate")) == len(b.bodies("/generate")) == 4
@@ -98,7 +86,7 @@ def test_requests_go_to_the_server_with_fewest_in_flight(tiny_path, tmp_path, fa
 
 def test_aborted_5xx_and_dropped_requests_are_retried_then_fault(tiny_path, tmp_path, fake):
     server = fake()
-    engine = engine_for(tiny_path, tmp_path, [server], max_retries=2)
+    engine = sglang_engine_for(tiny_path, tmp_path, [server], max_retries=2)
     server.failures = ["abort", "500"]
     [ok] = engine.generate([[5]], [4], SamplingParams())
     assert ok.token_ids == [7, 8, 2] and len(server.bodies("/generate")) == 3
@@ -110,7 +98,7 @@ def test_aborted_5xx_and_dropped_requests_are_retried_then_fault(tiny_path, tmp_
 
 def test_refused_connections_fail_over_to_a_live_server_then_fault(tiny_path, tmp_path, fake):
     a, b = fake(), fake()
-    engine = engine_for(tiny_path, tmp_path, [a, b])
+    engine = sglang_engine_for(tiny_path, tmp_path, [a, b])
     a.stop()
     assert all(g.token_ids == [7, 8, 2] for g in engine.generate([[5], [6], [7]], [4] * 3, SamplingParams()))
     assert len(b.bodies("/generate")) == 3
@@ -121,7 +109,7 @@ def test_refused_connections_fail_over_to_a_live_server_then_fault(tiny_path, tm
 
 def test_rejected_request_raises_without_retry(tiny_path, tmp_path, fake):
     server = fake()
-    engine = engine_for(tiny_path, tmp_path, [server])
+    engine = sglang_engine_for(tiny_path, tmp_path, [server])
     server.failures = ["400"]
     with pytest.raises(RuntimeError, match="rejected a /generate request"):
         engine.generate([[5]], [4], SamplingParams())
@@ -130,7 +118,7 @@ def test_rejected_request_raises_without_retry(tiny_path, tmp_path, fake):
 
 def test_samples_from_another_weight_version_are_refused(tiny_path, tmp_path, fake):
     server = fake()
-    engine = engine_for(tiny_path, tmp_path, [server])
+    engine = sglang_engine_for(tiny_path, tmp_path, [server])
     server.report_version = "7"
     with pytest.raises(StaleSampleError, match=r"\['7'\] but the engine holds 0"):
         engine.generate([[5]], [4], SamplingParams())
@@ -149,7 +137,7 @@ def test_samples_from_another_weight_version_are_refused(tiny_path, tmp_path, fa
 
 def test_disk_sync_writes_a_loadable_checkpoint_and_drives_the_servers_in_order(tiny_path, tmp_path, fake):
     a, b = fake(), fake()
-    engine = engine_for(tiny_path, tmp_path, [a, b], shard_bytes=20_000)
+    engine = sglang_engine_for(tiny_path, tmp_path, [a, b], shard_bytes=20_000)
     before = len(a.calls)
     weights = tiny_weights(tiny_path, shift=1.0)
     engine.update_weights(iter(weights.items()), version=1)
@@ -180,7 +168,7 @@ def test_disk_sync_writes_a_loadable_checkpoint_and_drives_the_servers_in_order(
 
 def test_partial_or_foreign_updates_touch_no_server(tiny_path, tmp_path, fake):
     server = fake()
-    engine = engine_for(tiny_path, tmp_path, [server])
+    engine = sglang_engine_for(tiny_path, tmp_path, [server])
     before = len(server.calls)
     weights = tiny_weights(tiny_path)
     weights.pop("lm_head.weight")
@@ -200,7 +188,7 @@ def test_distributed_sync_choreography(tiny_path, tmp_path, fake):
         groups.append(args)
         return "GROUP"
 
-    engine = engine_for(
+    engine = sglang_engine_for(
         tiny_path,
         tmp_path,
         [a, b],
@@ -270,7 +258,7 @@ def test_trainer_side_process_group_broadcasts_to_a_peer(tmp_path):
 def test_agent_loop_quarantines_only_the_episode_whose_request_failed(tiny_path, tokenizer, tmp_path, fake):
     login, im_end = tokenizer.convert_tokens_to_ids("login"), tokenizer.convert_tokens_to_ids("<|im_end|>")
     server = fake(reply_ids=[login, im_end])
-    engine = engine_for(tiny_path, tmp_path, [server], max_retries=1)
+    engine = sglang_engine_for(tiny_path, tmp_path, [server], max_retries=1)
     env = EmbeddedEnvironment()
     tasks = [Task(f"vault0_s{s}_t1", 1, "vault0", {"vault": 0, "start": s, "goal_end": s + 1}) for s in (0, 3)]
     server.fail_prefix = render_prompt(tokenizer, env.start(tasks[0], seed=0).messages())
@@ -301,10 +289,6 @@ def test_launch_command_for_the_enlarged_budget():
 def test_a_server_that_dies_at_startup_reports_its_log(tiny_path, tmp_path):
     with pytest.raises(RuntimeError, match=r"exited with code 1.*server_39999\.log:\n.*No module named 'sglang'"):
         SGLangEngine(tiny_path, STOPS, SGLangSettings(python=sys.executable, sync_dir=str(tmp_path), base_port=39999))
-
-
-def config(*overrides):
-    return compose_config(overrides)
 
 
 def test_engine_config_validation_and_build(tiny_path, tokenizer, tmp_path, fake, monkeypatch):
@@ -397,7 +381,7 @@ def test_budget_transfer_evaluates_on_the_training_servers_and_never_resets_atta
     """Defect 1 of design/scale.md: evaluation used to build a second engine, which reset attached servers to the
     base weights (or launched a second set on the same ports). Now it borrows the run's engine."""
     server = fake()
-    engine = engine_for(tiny_path, tmp_path, [server])
+    engine = sglang_engine_for(tiny_path, tmp_path, [server])
     engine.update_weights(tiny_weights(tiny_path, 0.01).items(), 5)
     before = len(server.calls)
     callback, trainer = budget_transfer(tmp_path, engine, tokenizer, every_n_steps=5)

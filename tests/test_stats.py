@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from canopy.tools.stats import Estimate, bootstrap_mean, describe, paired_difference
+from canopy.reports.stats import Estimate, bootstrap_mean, describe, paired_difference
 
 
 def test_the_interval_holds_the_mean_inside_the_observed_range():

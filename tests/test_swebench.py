@@ -27,6 +27,7 @@ from canopy.envs.pool import EnvironmentPool, PoolSettings
 from canopy.envs.swe_grading import grade
 from canopy.envs.swebench import SWEBenchEnvironment, SWEBenchEpisode, SWEBenchSettings, harness, instance_task
 from canopy.errors import ConfigError
+from canopy.models.tiny import build_byte_tokenizer
 from canopy.rollout.agent_loop import Budget, Trajectory, run_episodes
 from canopy.rollout.engine import Generation, SamplingParams
 from canopy.step import StepStats, same_task_groups
@@ -35,7 +36,6 @@ from canopy.tools.swe_data.cache_images import cache_images
 from canopy.tools.swe_data.convert import convert_rebench, convert_verified
 from canopy.tools.swe_data.generate import TEST_CMD, build_container_images, generate
 from canopy.tools.swe_data.instances import read_jsonl, write_jsonl
-from canopy.tools.tiny_model import build_byte_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="needs bubblewrap (make system)")
@@ -531,7 +531,7 @@ def test_swebench_toy_trains_and_evaluates_end_to_end(generated, tmp_path):
         cwd=ROOT, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
-    from canopy.tools.tb_scalars import read_scalars
+    from canopy.reports.tb_scalars import read_scalars
 
     scalars = read_scalars(tmp_path / "run" / "tensorboard")
     assert [value for _, value in scalars["outcome/no_submission"]] == [8.0, 8.0]  # 2 tasks x 4 rollouts, 2 steps
@@ -555,7 +555,7 @@ def test_swebench_toy_trains_and_evaluates_end_to_end(generated, tmp_path):
     assert sorted(r["verdict"]["outcome"] for r in evaluated) == ["image_unavailable"] * 4 + ["no_submission"] * 4
     from urllib.parse import quote
 
-    from tests.test_viewer import dom, element
+    from tests.helpers import dom, element
 
     first = logged[0]  # a SWE-bench episode in the viewer, as a headless Chromium shows it
     address = f"stream=train&step=1&task={quote(first['task_id'], safe='')}&sample={first['sample_index']}"

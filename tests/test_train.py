@@ -3,18 +3,16 @@
 import json
 import math
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from transformers import AutoTokenizer, Qwen3ForCausalLM
 
 from canopy.build import build_datamodule
-from canopy.tools.summary import training_task_report
-from canopy.tools.tb_scalars import read_scalars
+from canopy.reports.summary import training_task_report
+from canopy.reports.tb_scalars import read_scalars
 from canopy.trajectories import read_index, read_step
-from tests.test_config import config
+from tests.helpers import config, train
 
 ROOT = Path(__file__).resolve().parents[1]
 REQUIRED_TAGS = [
@@ -47,30 +45,6 @@ REQUIRED_TAGS = [
     "coverage/all_success",
     "health/invalid_action_frac",
 ]
-
-
-def train(tmp_path, tiny, steps: int, *overrides: str, name: str = "run", returncode: int = 0):
-    """`python train.py` on a small embedded run in `tmp_path/<name>` from the tiny model at `tiny` (the `warm_tiny`
-    fixture); returns (run dir, completed process), which exited with `returncode`."""
-    run_dir = tmp_path / name
-    command = [sys.executable, "train.py", *train_args(tiny, run_dir, steps, *overrides)]
-    run = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900)
-    assert run.returncode == returncode, run.stderr[-3000:]
-    return run_dir, run
-
-
-def train_args(tiny, run_dir, steps: int, *overrides: str) -> list[str]:
-    """train.py's arguments for a small embedded run in `run_dir` from the tiny model at `tiny`."""
-    return [
-        f"hydra.run.dir={run_dir}",
-        f"model.tiny.dir={tiny}",
-        "model.tiny.format_warmup_steps=30",
-        f"trainer.max_steps={steps}",
-        "data.tasks_per_step=4",
-        "algorithm.group_size=4",
-        "report.eval_samples_per_task=1",
-        *overrides,
-    ]
 
 
 @pytest.mark.slow

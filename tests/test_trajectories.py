@@ -28,8 +28,8 @@ from canopy.trajectories import (
     read_step,
     sampling_of,
 )
+from tests.helpers import HEAVY, datamodule, imports_of, trajectory
 from tests.scripted import ScriptedEngine
-from tests.test_datamodule import datamodule, trajectory
 
 
 def test_mask_runs_start_with_zeros_and_invert():
@@ -119,7 +119,7 @@ import os, signal, sys
 from transformers import AutoTokenizer
 from canopy.envs.base import Task
 from canopy.trajectories import Sampling, TrajectoryLog
-from tests.test_datamodule import trajectory
+from tests.helpers import trajectory
 log = TrajectoryLog(sys.argv[2], AutoTokenizer.from_pretrained(sys.argv[1]), "m", Sampling(), "sparse")
 for step in range(3):
     log.log_step("train", step, [[trajectory(Task("a", 1, "s"), i, success=True, length=50) for i in range(8)]])
@@ -142,27 +142,6 @@ def test_a_killed_trainer_leaves_its_steps_written_and_no_writer_behind(tiny_pat
     stat = Path(f"/proc/{int(killed.stdout.split()[0])}/stat")
     assert not stat.exists() or stat.read_text().split()[2] == "Z"  # the writer exited (reaped, or a zombie)
     assert sorted(p.name for p in (tmp_path / "train").glob("step_*")) == [f"step_00000{i}.jsonl.gz" for i in range(3)]
-
-
-IMPORTS_OF = """
-import runpy, sys
-module, out = sys.argv.pop(1), sys.argv.pop(1)
-try:
-    runpy.run_module(module, run_name="__main__", alter_sys=True)
-finally:
-    with open(out, "w") as f:
-        f.write("\\n".join(sorted(sys.modules)))
-"""
-HEAVY = {"torch", "lightning", "transformers", "hydra", "numpy"}
-
-
-def imports_of(module: str, *args, tmp_path: Path, **run) -> tuple[set[str], subprocess.CompletedProcess]:
-    """Run `python -m <module> <args>` (as the trajectory log and the viewer callback do): the top-level packages it
-    imported, and how it ran."""
-    out = tmp_path / f"{module}.modules"
-    command = [sys.executable, "-c", IMPORTS_OF, module, str(out), *map(str, args)]
-    ran = subprocess.run(command, capture_output=True, timeout=120, cwd=Path(__file__).parents[1], **run)
-    return {name.split(".")[0] for name in out.read_text().split()}, ran
 
 
 def test_the_writer_entry_point_writes_what_it_is_handed_without_torch(tokenizer, tmp_path):
@@ -374,7 +353,7 @@ def test_decode_all_gives_the_text_of_decode_piece_by_piece(tokenizer):
     keeps its own `decode`."""
     from tokenizers import Tokenizer
 
-    from canopy.tools.tiny_model import build_byte_tokenizer
+    from canopy.models.tiny import build_byte_tokenizer
     from canopy.trajectories import decode_all, writer_decoder
 
     byte_level = build_byte_tokenizer()

@@ -6,46 +6,17 @@ import html
 import json
 import os
 import re
-import shutil
-import subprocess
 import sys
-from pathlib import Path
 
 import matplotlib
 import pytest
 
-from canopy.tools.viewer import build_viewer, cut
+from canopy.reports.viewer import build_viewer, cut
 from canopy.trajectories import Sampling, TrajectoryLog, read_step
+from tests.helpers import HEAVY, datamodule, dom, element, imports_of
 from tests.scripted import ScriptedEngine
-from tests.test_datamodule import datamodule
-from tests.test_trajectories import HEAVY, imports_of
 
 matplotlib.use("Agg")
-BROWSERS = ("chromium-headless-shell", "chromium", "google-chrome")
-
-
-def browser() -> str:
-    found = next((shutil.which(name) for name in BROWSERS if shutil.which(name)), None)
-    assert found, "no headless Chromium: `make system` installs chromium-headless-shell"  # a test that must run
-    return found
-
-
-def dom(page: Path, address: str = "", tmp_path: Path | None = None) -> str:
-    """The page's DOM after its scripts ran, as Chromium renders `file://<page>#<address>`."""
-    run = subprocess.run(
-        [browser(), "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--no-first-run",
-         "--virtual-time-budget=3000", f"--user-data-dir={tmp_path or page.parent}/chromium-profile", "--dump-dom",
-         f"{page.resolve().as_uri()}#{address}"],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    assert run.returncode == 0 and "<body" in run.stdout, run.stderr[-2000:]
-    return run.stdout
-
-
-def element(page_dom: str, element_id: str) -> str:
-    """The text inside the element with this id (up to the next section of the page)."""
-    start = page_dom.index(f'id="{element_id}"')
-    return page_dom[start : start + 20000]
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +70,7 @@ def test_the_address_opens_an_episode_in_a_real_browser(run_dir, tmp_path):
 def test_invalid_actions_are_marked_counted_filtered_and_curved(tokenizer, tmp_path):
     """Format health in the page: the episode's invalid actions counted and each marked at its turn, the filter that
     keeps the episodes with one, and the invalid-action share against the step; `episode_address` opens it."""
-    from canopy.tools.viewer import episode_address
+    from canopy.reports.viewer import episode_address
 
     log = TrajectoryLog(tmp_path / "run" / "trajectories", tokenizer, "m", Sampling(), "sparse")
     dm = datamodule(tokenizer, ScriptedEngine(tokenizer, ["hello", "guest login", "vault"]), trajectory_log=log)

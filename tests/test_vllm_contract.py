@@ -17,7 +17,6 @@ from pathlib import Path
 import pytest
 from fake_vllm import ROUTES, FakeTransport, FakeVLLM
 from omegaconf import OmegaConf
-from test_vllm_engine import engine_for, tiny_weights
 from vllm_contract import (
     VLLMSourceMissing,
     check_launch,
@@ -34,6 +33,7 @@ from canopy.rollout.http import fleet as http_fleet
 from canopy.rollout.http import routing as http_routing
 from canopy.rollout.vllm import VLLMSettings
 from canopy.rollout.vllm import servers as vllm_servers
+from tests.helpers import tiny_weights, vllm_engine_for
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -50,7 +50,7 @@ def canopy_requests(tiny_path, work: Path, routes=ROUTES) -> list[tuple[str, str
     """(method, path, query, body) of every request VLLMEngine sends, driven through each of its paths."""
     servers = [FakeVLLM(routes=routes), FakeVLLM(routes=routes)]
     try:
-        engine = engine_for(tiny_path, work, servers)
+        engine = vllm_engine_for(tiny_path, work, servers)
         run = OmegaConf.to_container(compose_config(["experiment=embedded_vllm"]).sampling)
         sampling = SamplingParams(**{k: run[k] for k in ("temperature", "top_p", "top_k")})
         servers[0].failures = ["abort"]
@@ -65,7 +65,7 @@ def canopy_requests(tiny_path, work: Path, routes=ROUTES) -> list[tuple[str, str
         engine.close()
         transport = FakeTransport()  # weight_sync=nccl
         servers += [FakeVLLM(routes=routes, transport=transport), FakeVLLM(routes=routes, transport=transport)]
-        engine = engine_for(tiny_path, work / "nccl", servers[2:], transport, weight_sync="nccl")
+        engine = vllm_engine_for(tiny_path, work / "nccl", servers[2:], transport, weight_sync="nccl")
         servers[3].fail_control = {"/update_weights"}
         engine.update_weights(tiny_weights(tiny_path, 0.01).items(), 1)  # the second fails mid-transfer
         servers[3].fail_control = set()
@@ -182,7 +182,7 @@ def test_every_reply_field_canopy_reads_is_in_the_releases_response(tiny_path, t
     api = release()
     server = FakeVLLM()
     try:
-        engine = engine_for(tiny_path, tmp_path, [server])
+        engine = vllm_engine_for(tiny_path, tmp_path, [server])
         body = engine.backend.request_body([5, 6], 4, SamplingParams())
         reads = set()
         reply = json.loads(json.dumps(http_fleet.request(server.url + engine.backend.generate_path, body, 10)))

@@ -18,10 +18,10 @@ from canopy.config import compose_config, validate
 from canopy.errors import ConfigError
 from canopy.rollout.engine import EngineFault, SamplingParams
 from canopy.rollout.http.routing import StaleSampleError
-from canopy.rollout.vllm import VLLMEngine, VLLMSettings
+from canopy.rollout.vllm import VLLMSettings
 from canopy.rollout.vllm.servers import launch_command
+from tests.helpers import tiny_weights, vllm_engine_for
 
-STOPS = [2, 0]
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -38,19 +38,9 @@ def fake():
         server.stop()
 
 
-def engine_for(tiny_path, tmp_path, servers, transport=None, **overrides):
-    settings = dict(urls=[s.url for s in servers], sync_dir=str(tmp_path / "sync"), max_retries=2, concurrency=8)
-    settings = VLLMSettings(**{**settings, **overrides})
-    return VLLMEngine(tiny_path, STOPS, settings, retry_backoff_s=0.0, health_interval_s=0.02, transport=transport)
-
-
-def tiny_weights(tiny_path, shift=0.0):
-    return {name: tensor + shift for name, tensor in load_file(Path(tiny_path) / "model.safetensors").items()}
-
-
 def test_attach_reloads_the_base_weights_as_version_0_then_generates(tiny_path, tmp_path, fake):
     server = fake()
-    engine = engine_for(tiny_path, tmp_path, [server])
+    engine = vllm_engine_for(tiny_path, tmp_path, [server])
     assert server.paths() == ["/health", "/collective_rpc", "/reset_prefix_cache", "/update_weight_version",
                               "/weight_info"]  # fmt: skip
     assert server.calls[1].body == {"method": "reload_weights", "kwargs": {"weights_path": str(Path(tiny_path))}}
@@ -72,7 +62,7 @@ def test_attach_reloads_the_base_weights_as_version_0_then_generates(tiny_path, 
 
 def test_aborted_requests_are_retried_and_failing_ones_quarantined(tiny_path, tmp_path, fake):
     server = fake()
-    engine = engine_for(tiny_path, tmp_path, [server])
+    engine = vllm_engine_for(tiny_path, tmp_path, [server])
     server.failures = ["abort", "500"]
     [ok] = engine.generate([[5]], [4], SamplingParams())
     assert ok.token_ids == [7, 8, 2] and len(server.bodies("/inference/v1/generate")) == 3
@@ -87,7 +77,7 @@ def test_aborted_requests_are_retried_and_failing_ones_quarantined(tiny_path, tm
 
 def test_a_sample_from_other_weights_is_refused(tiny_path, tmp_path, fake):
     server = fake()
-    engine = engine_for(tiny_path, tmp_path, [server], max_retries=1)
+    engine = vllm_engine_for(tiny_path, tmp_path, [server], max_retries=1)
     server.version = "default"  # restarted behind the engine's back
     with pytest.raises(StaleSampleError, match=r"version\(s\) \['default'\] but the engine holds 0"):
         engine.generate([[5]], [4], SamplingParams())
@@ -106,7 +96,7 @@ def test_a_sample_from_other_weights_is_refused(tiny_path, tmp_path, fake):
 
 def test_disk_sync_writes_a_loadable_checkpoint_and_drives_every_server_in_order(tiny_path, tmp_path, fake):
     a, b = fake(), fake()
-    engine = engine_for(tiny_path, tmp_path, [a, b])
+    engine = vllm_engine_for(tiny_path, tmp_path, [a, b])
     since = len(a.calls)
     engine.update_weights(tiny_weights(tiny_path, 0.5).items(), 1)
     path = tmp_path / "sync" / "v1"
@@ -128,7 +118,7 @@ def test_disk_sync_writes_a_loadable_checkpoint_and_drives_every_server_in_order
 
 def test_a_server_failing_its_sync_is_ejected_then_resynced_before_it_serves(tiny_path, tmp_path, fake):
     a, b = fake(), fake()
-    engine = engine_for(tiny_path, tmp_path, [a, b])
+    engine = vllm_engine_for(tiny_path, tmp_path, [a, b])
     b.fail_control = {"/collective_rpc"}
     engine.update_weights(tiny_weights(tiny_path, 0.1).items(), 1)  # a takes it; b is ejected, not the run stopped
     assert a.version == "1" and b.version == "0" and engine.fleet.servers[1].ejected
@@ -152,7 +142,7 @@ def nccl_engine(tiny_path, tmp_path, fake, count=2, **overrides):
     transport = FakeTransport()
     servers = [fake(transport=transport) for _ in range(count)]
     overrides = {"weight_sync": "nccl", "bucket_mib": 0.01, **overrides}  # 10 KiB buckets: several per update
-    return engine_for(tiny_path, tmp_path, servers, transport, **overrides), servers, transport
+    return vllm_engine_for(tiny_path, tmp_path, servers, transport, **overrides), servers, transport
 
 
 def test_nccl_sync_sends_every_weight_in_the_order_each_server_was_told(tiny_path, tmp_path, fake):
@@ -208,7 +198,7 @@ def test_a_server_failing_mid_transfer_is_aborted_ejected_and_rejoins_at_the_nex
 def test_a_server_without_weight_transfer_stops_the_engine_at_start_naming_the_flag(tiny_path, tmp_path, fake):
     server = fake()  # launched without --weight-transfer-config: it refuses /init_weight_transfer_engine
     with pytest.raises(RuntimeError, match=r"weight_transfer_config.*--weight-transfer-config .*weight_sync=disk"):
-        engine_for(tiny_path, tmp_path, [server], FakeTransport(), weight_sync="nccl")
+        vllm_engine_for(tiny_path, tmp_path, [server], FakeTransport(), weight_sync="nccl")
     assert server.paths()[-1] == "/init_weight_transfer_engine"
 
 

@@ -14,16 +14,16 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from test_rollout_routing import CountdownEnvironment, CountdownEpisode
 from transformers import AutoTokenizer
 from vllm_servers import STOPS, build_servable_tiny, free_base_port, metric, reference_logprobs, vllm_python
 
 from canopy.envs.base import Task
+from canopy.envs.embedded import VOCABULARY
 from canopy.rollout.agent_loop import Budget, run_episodes
 from canopy.rollout.engine import SamplingParams
 from canopy.rollout.http.client import request
 from canopy.rollout.vllm import VLLMEngine, VLLMSettings
-from canopy.tools.tiny_model import VOCABULARY
+from tests.helpers import CountdownEnvironment, CountdownEpisode
 
 pytestmark = pytest.mark.slow
 

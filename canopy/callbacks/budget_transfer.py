@@ -10,9 +10,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from canopy.eval.runner import budget_label, evaluation, sample_runs, with_budget, write_results
 from canopy.modules.parallel import alone_on_rank0
+from canopy.reports.plots import plot_budget_transfer
 from canopy.rollout.agent_loop import Budget
 from canopy.rollout.engine import SamplingParams
-from canopy.tools.plots import plot_budget_transfer
 
 
 class BudgetTransferEval(L.Callback):

@@ -10,12 +10,14 @@ from pathlib import Path
 import lightning as L
 
 from canopy.callbacks.rollout_viewer import RolloutViewer
-from canopy.errors import ConfigError, is_int
-from canopy.tools.viewer import episode_address
+from canopy.errors import ConfigError, RunStopped, is_int
+from canopy.reports.viewer import episode_address
 
 
-class FormatDriftError(RuntimeError):
+class FormatDriftError(RunStopped, RuntimeError):
     """The policy's invalid-action share crossed `callbacks.format_monitor.stop_above`: the run stops (train.py)."""
+
+    label = "format drift"
 
 
 class FormatMonitor(L.Callback):

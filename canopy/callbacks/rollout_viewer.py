@@ -1,4 +1,4 @@
-"""The rollout viewer as the run goes: `<run>/viewer.html` (canopy/tools/viewer.py) rebuilt every `every_n_steps`
+"""The rollout viewer as the run goes: `<run>/viewer.html` (canopy/reports/viewer.py) rebuilt every `every_n_steps`
 steps by a process of its own at idle priority, started by the generating rank (a build still running when the next
 is due is skipped, so it never holds a step back; reading the logs and encoding the page on a thread held the GIL the
 training loop needs), and once more when the run ends (`final`, called by train.py after its last figures)."""
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import lightning as L
 
-from canopy.tools.viewer import build_viewer
+from canopy.reports.viewer import build_viewer
 from canopy.trajectories import lower_to_idle_priority
 
 

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from canopy.envs.base import Environment, SystemicFaultError, Task
-from canopy.errors import ConfigError, require
+from canopy.errors import RunStopped, require
 from canopy.modules.canopy_module import AlgorithmSettings
 from canopy.modules.parallel import alone_on_rank0, data_parallel_rank
 from canopy.rollout.agent_loop import Budget, BudgetSettings, Trajectory, run_episodes
@@ -111,9 +111,7 @@ def split_rows(batch: RolloutBatch, dp_size: int, min_rows: int = 1) -> list[Rol
 
 def relayable(error: Exception) -> Exception:
     """`error` as the other ranks should raise it: the run's own stop reasons as they are, anything else named."""
-    from canopy.mismatch import OffPolicyError
-
-    if isinstance(error, (SystemicFaultError, OffPolicyError, ConfigError)):
+    if isinstance(error, RunStopped):
         return error
     return RuntimeError(f"rank 0's rollout step failed with {type(error).__name__}: {error}")
 

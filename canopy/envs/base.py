@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
+from canopy.errors import RunStopped
+
 
 @dataclass(frozen=True)
 class Task:
@@ -134,9 +136,11 @@ class EnvironmentFault(RuntimeError):
         return type(self), (self.reason, self.detail, self.worker)
 
 
-class SystemicFaultError(RuntimeError):
+class SystemicFaultError(RunStopped, RuntimeError):
     """The serving layer fails systematically (a broken environment setup, not a rare fault): quarantine would
     hide it, so the run stops with this one-line cause (`canopy.rollout.faults`, `EnvironmentPool`)."""
+
+    label = "environment error"
 
 
 def keep_fault_log(log: Path, name: str, folder: Path | None = None) -> Path | None:

@@ -1,6 +1,7 @@
 """The model families Canopy trains, each a folder `canopy/models/<family>/` exposing its `SPEC` (`ModelSpec`, in
 canopy/models/spec.py); this registry is the one place that lists them (docs/model_families.md). Model code imports
-nothing of Canopy's trainer, engines or environments."""
+nothing of Canopy's trainer, engines or environments (the tiny model builder, tiny.py, excepted: its warm-up plays the
+vault world)."""
 
 import json
 from dataclasses import dataclass

@@ -1,5 +1,5 @@
 """Look at logged episodes (`canopy/trajectories.py`). `view` writes the run's rollout viewer (`<run>/viewer.html`,
-canopy/tools/viewer.py); `replay` prints one episode as the model saw it: token-exact, with the action mask, for
+canopy/reports/viewer.py); `replay` prints one episode as the model saw it: token-exact, with the action mask, for
 debugging tokenization and masking (it needs `trajectories.token_ids=true`, the default).
 
     python -m canopy.tools.episodes view <run dir> [--steps 5] [--max-chars 4000]
@@ -18,7 +18,7 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
-from canopy.tools.viewer import build_viewer
+from canopy.reports.viewer import build_viewer
 from canopy.trajectories import META, expand_runs, read_step, step_files, step_path
 
 

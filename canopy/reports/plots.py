@@ -11,7 +11,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from canopy.coverage import signal_coverage  # noqa: E402
-from canopy.tools.tb_scalars import read_scalars  # noqa: E402
+from canopy.reports.tb_scalars import read_scalars  # noqa: E402
 
 Series = dict[str, list[tuple[int, float]]]
 DPI = 100
