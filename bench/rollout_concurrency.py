@@ -26,10 +26,10 @@ sys.path.insert(0, str(ROOT / "tests"))
 from fake_sglang import FakeSGLang  # noqa: E402
 
 from canopy.envs.base import StepResult, Task, Verdict  # noqa: E402
-from canopy.models.tiny import build_byte_tokenizer, build_tiny_checkpoint  # noqa: E402
 from canopy.rollout.agent_loop import Budget, run_episodes  # noqa: E402
 from canopy.rollout.engine import SamplingParams  # noqa: E402
 from canopy.rollout.sglang import SGLangEngine, SGLangSettings  # noqa: E402
+from canopy.tiny_model import build_byte_tokenizer, build_tiny_checkpoint  # noqa: E402
 
 
 class Episode:

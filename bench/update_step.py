@@ -17,10 +17,10 @@ import time
 import torch
 
 from canopy.mismatch import CORRECTIONS, RolloutCorrection, sequence_log_ratio
-from canopy.models.tiny import build_tiny_checkpoint
 from canopy.modules.logprobs import model_token_logprobs
 from canopy.modules.policy import load_policy
 from canopy.objective import canopy_loss
+from canopy.tiny_model import build_tiny_checkpoint
 
 RECIPE = dict(clip_low=0.2, clip_high=0.2, kl_coef=1e-4, aggregation="token-mean")  # algorithm.* of conf/train.yaml
 

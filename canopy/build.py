@@ -12,13 +12,13 @@ from canopy.envs import environment_factory, environment_kwargs
 from canopy.envs.pool import EnvironmentPool, PoolSettings
 from canopy.envs.worker import build_environment
 from canopy.models import get_family
-from canopy.models.tiny import build_tiny_checkpoint
 from canopy.modules.canopy_module import CanopyModule
 from canopy.rollout.agent_loop import ChatTokenizer
 from canopy.rollout.engine import EngineHandle, LocalEngine
 from canopy.rollout.settings import EngineSettings
 from canopy.rollout.sglang import SGLangEngine
 from canopy.rollout.vllm import VLLMEngine
+from canopy.tiny_model import build_tiny_checkpoint
 from canopy.trajectories import TrajectoryLog, sampling_of
 
 

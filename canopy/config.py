@@ -24,7 +24,6 @@ from canopy.eval.settings import EvalSettings
 from canopy.mismatch import RolloutCorrection
 from canopy.models import MODEL_FAMILIES, ModelSettings
 from canopy.models.hf_checkpoint import native_positions
-from canopy.models.tiny import TINY_TOKENIZERS
 from canopy.modules.canopy_module import (  # the module checks CP_* again
     CP_NEEDS_GPU,
     CP_SEQ_MEAN,
@@ -40,6 +39,7 @@ from canopy.rollout.engine import SamplingParams
 from canopy.rollout.settings import EngineSettings, LocalEngineSettings
 from canopy.rollout.sglang.settings import SGLangSettings
 from canopy.rollout.vllm.settings import VLLMSettings
+from canopy.tiny_model import TINY_TOKENIZERS
 from canopy.trajectories import TrajectorySettings
 
 SCHEMAS = (

@@ -114,8 +114,8 @@ def check_kernels(device, dtype, shape, cpu: bool, record: dict) -> list[str]:
 
 
 def check_policy_step(device, cpu: bool, record: dict) -> list[str]:
-    from canopy.models.tiny import build_tiny_checkpoint
     from canopy.modules.policy import load_policy
+    from canopy.tiny_model import build_tiny_checkpoint
 
     size = (
         dict(hidden_size=64, layers=4, heads=4, kv_heads=2, intermediate_size=128)

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import Qwen3ForCausalLM
 
-from canopy.models.tiny import build_tiny_checkpoint
+from canopy.tiny_model import build_tiny_checkpoint
 
 FAILED = []
 GAPS = {}  # check name -> mean |server logprob - HF float32 logprob| at the sampling temperature

@@ -10,8 +10,8 @@ import pytest  # noqa: E402
 from filelock import FileLock  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
-from canopy.models.tiny import build_tiny_checkpoint
 from canopy.modules.canopy_module import silence_benign_warnings
+from canopy.tiny_model import build_tiny_checkpoint
 
 # The longest files of `make test` (its --durations), started first: pytest-xdist (--dist loadfile) hands out files in
 # collection order, and one of these collected last keeps a worker busy minutes after the other has finished.

@@ -16,9 +16,9 @@ from canopy.envs.appworld import AppWorldEnvironment
 from canopy.envs.base import AgentFailure, EnvironmentFault, SystemicFaultError, Verdict
 from canopy.envs.pool import EnvironmentPool
 from canopy.eval.metrics import summarize
-from canopy.models.tiny import build_byte_tokenizer
 from canopy.rollout.agent_loop import Budget, run_episodes
 from canopy.rollout.engine import Generation, SamplingParams
+from canopy.tiny_model import build_byte_tokenizer
 from tests.helpers import APPWORLD_PYTHON, APPWORLD_SETTINGS, APPWORLD_SYNTHETIC_DATA, ROOT, code
 
 pytestmark = pytest.mark.skipif(not APPWORLD_PYTHON.is_file(), reason="AppWorld's venv is missing: run `make appworld`")

@@ -196,7 +196,7 @@ def test_declare_done_is_checked_with_the_fix():
 def test_testbed_warmup_transcripts_restate_goal_and_status_then_act(tokenizer):
     """The testbed base model's format: `<goal word> <status> <command>`, `done` one reply in ten, so tier-3
     tasks start starved; the command is what the environment parses."""
-    from canopy.models.tiny import random_command_transcripts
+    from canopy.tiny_model import random_command_transcripts
 
     replies = []
     for ids, mask in random_command_transcripts(tokenizer, 300, max_turns=8, seed=0, junk_rate=0.0, declare_done=True):

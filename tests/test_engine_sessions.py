@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from canopy.envs.embedded import EmbeddedEnvironment
-from canopy.models.tiny import build_tiny_checkpoint
 from canopy.modules.policy import export_hf_state_dict, load_policy
 from canopy.rollout.agent_loop import Budget, run_episodes
 from canopy.rollout.engine import LocalEngine, SamplingParams
+from canopy.tiny_model import build_tiny_checkpoint
 
 SAMPLING = SamplingParams(temperature=0.8)
 

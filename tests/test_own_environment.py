@@ -16,9 +16,9 @@ from omegaconf import OmegaConf
 from canopy.envs import available, environment_kwargs, environment_module
 from canopy.envs.base import Verdict
 from canopy.errors import ConfigError
-from canopy.models.tiny import build_byte_tokenizer, build_tokenizer
 from canopy.rollout.agent_loop import Budget, run_episodes
 from canopy.rollout.engine import SamplingParams
+from canopy.tiny_model import build_byte_tokenizer, build_tokenizer
 from canopy.trajectories import read_step
 from tests.helpers import LETTERS_ENV, config
 from tests.scripted import ScriptedEngine

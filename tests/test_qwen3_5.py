@@ -11,8 +11,8 @@ from safetensors.torch import load_file, save_file
 from transformers import Qwen3_5ForCausalLM
 
 from canopy.models.qwen3_5.gated_delta import transformers_on_torch_kernels
-from canopy.models.tiny import build_tiny_checkpoint
 from canopy.modules.policy import export_hf_state_dict, load_policy, read_hf_weights
+from canopy.tiny_model import build_tiny_checkpoint
 
 
 @pytest.fixture(scope="module")

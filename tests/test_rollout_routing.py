@@ -10,9 +10,9 @@ import pytest
 from fake_sglang import FakeGateway, FakeSGLang
 
 from canopy.envs.base import Task, Verdict
-from canopy.models.tiny import build_byte_tokenizer
 from canopy.rollout.agent_loop import Budget, run_episodes
 from canopy.rollout.engine import SamplingParams
+from canopy.tiny_model import build_byte_tokenizer
 from tests.helpers import CountdownEnvironment, sglang_engine_for, tiny_weights
 
 BUDGET = Budget(max_turns=20, max_response_tokens=400, max_prompt_tokens=128, max_observation_tokens=16,

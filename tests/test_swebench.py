@@ -27,10 +27,10 @@ from canopy.envs.pool import EnvironmentPool, PoolSettings
 from canopy.envs.swe_grading import grade
 from canopy.envs.swebench import SWEBenchEnvironment, SWEBenchEpisode, SWEBenchSettings, harness, instance_task
 from canopy.errors import ConfigError
-from canopy.models.tiny import build_byte_tokenizer
 from canopy.rollout.agent_loop import Budget, Trajectory, run_episodes
 from canopy.rollout.engine import Generation, SamplingParams
 from canopy.step import StepStats, same_task_groups
+from canopy.tiny_model import build_byte_tokenizer
 from canopy.tools.swe_attacks import HOOK, new_file
 from canopy.tools.swe_data.cache_images import cache_images
 from canopy.tools.swe_data.convert import convert_rebench, convert_verified

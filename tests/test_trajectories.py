@@ -353,7 +353,7 @@ def test_decode_all_gives_the_text_of_decode_piece_by_piece(tokenizer):
     keeps its own `decode`."""
     from tokenizers import Tokenizer
 
-    from canopy.models.tiny import build_byte_tokenizer
+    from canopy.tiny_model import build_byte_tokenizer
     from canopy.trajectories import decode_all, writer_decoder
 
     byte_level = build_byte_tokenizer()

@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from canopy.models.tiny import build_tiny_checkpoint
+from canopy.tiny_model import build_tiny_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 STOPS = [2, 0]  # <|im_end|>, <|endoftext|> in the tiny tokenizer

@@ -42,7 +42,7 @@ class ModelSpec:
     its config updated with `parallel` (the object TorchTitan's `update_from_config` reads, holding `.parallelism`)
     when given; `checkpoint(config, hf, path)`: the family's `Checkpoint` for `path`; `parallelize`: TorchTitan's
     parallelize function (TP plan, FSDP wrapping units, activation checkpointing); `tiny_model(shared)`: a random HF
-    model of the family from the tiny checkpoint's shared config keys (canopy.models.tiny)."""
+    model of the family from the tiny checkpoint's shared config keys (canopy.tiny_model)."""
 
     name: str  # model.family
     model_types: tuple[str, ...]  # the HF config.json `model_type`s it trains

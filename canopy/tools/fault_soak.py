@@ -32,9 +32,9 @@ from canopy.envs.fault_injection import EPISODE_PHASES, INFRA_FAULTS, NEEDS_ROOT
 from canopy.envs.pool import EnvironmentPool, PoolSettings
 from canopy.envs.swe_fault_injection import SERVING_FAULTS
 from canopy.envs.swebench import NO_PATCH_OUTCOMES
-from canopy.models.tiny import build_byte_tokenizer
 from canopy.rollout.agent_loop import Budget, Trajectory, run_episodes
 from canopy.rollout.engine import Generation, SamplingParams
+from canopy.tiny_model import build_byte_tokenizer
 from canopy.tools.swe_attacks import ATTACKS, Repo
 from canopy.tools.swe_data.generate import generate
 

@@ -1,6 +1,6 @@
 """Build a tiny HF-format Qwen3 checkpoint locally: config.json, model.safetensors and a word-level (the vault
 world's words) or byte-level (any text) tokenizer with Qwen's special tokens and chat template (the builder:
-canopy/models/tiny.py). Prints its path and vocabulary size as JSON; nothing is downloaded.
+canopy/tiny_model.py). Prints its path and vocabulary size as JSON; nothing is downloaded.
 
     python -m canopy.tools.tiny_model OUT_DIR [--hidden-size 64 --layers 2 --format-warmup-steps 0 --tokenizer word
                                               --seed 0]
@@ -9,7 +9,7 @@ canopy/models/tiny.py). Prints its path and vocabulary size as JSON; nothing is 
 import argparse
 import json
 
-from canopy.models.tiny import TINY_TOKENIZERS, build_tiny_checkpoint
+from canopy.tiny_model import TINY_TOKENIZERS, build_tiny_checkpoint
 
 
 def main() -> None:
