@@ -26,7 +26,7 @@ from canopy.errors import ConfigError
 from canopy.eval.from_run import inherited_overrides
 from canopy.eval.pilot import format_pilot, pilot_report
 from canopy.eval.runner import budget_label, checkpoint_weights, evaluation, sample_runs, write_results
-from canopy.rollout.agent_loop import Budget
+from canopy.rollout.budget import Budget
 from canopy.rollout.engine import SamplingParams
 from canopy.tools.plots import plot_budget_transfer, plot_coverage
 from canopy.tools.viewer import build_viewer

@@ -15,8 +15,10 @@ from canopy.errors import ConfigError
 from canopy.mismatch import RolloutCorrection
 from canopy.models import get_family
 from canopy.modules.canopy_module import CanopyModule
-from canopy.rollout.agent_loop import Budget, ChatTokenizer
-from canopy.rollout.engine import EngineHandle, LocalEngine, SamplingParams
+from canopy.rollout.budget import Budget
+from canopy.rollout.chat import ChatTokenizer
+from canopy.rollout.engine import EngineHandle, SamplingParams
+from canopy.rollout.local import LocalEngine
 from canopy.rollout.sglang import SGLangEngine, SGLangSettings, serving_dtype
 from canopy.rollout.vllm import VLLMEngine, VLLMSettings
 from canopy.tools.tiny_model import build_tiny_checkpoint

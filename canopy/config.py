@@ -32,7 +32,7 @@ from canopy.modules.canopy_module import (  # the module checks CP_* again
 )
 from canopy.modules.checkpoint import checkpoint_kind
 from canopy.modules.parallel import ParallelSettings
-from canopy.rollout.agent_loop import BudgetSettings
+from canopy.rollout.budget import BudgetSettings
 from canopy.rollout.engine import SamplingParams
 from canopy.rollout.sglang import SGLangSettings
 from canopy.rollout.vllm import VLLMSettings

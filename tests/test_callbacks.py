@@ -28,7 +28,7 @@ from canopy.envs.base import Task
 from canopy.envs.embedded import EmbeddedEnvironment
 from canopy.errors import ConfigError
 from canopy.mismatch import OffPolicyError
-from canopy.rollout.engine import LocalEngine
+from canopy.rollout.local import LocalEngine
 from canopy.tools.tb_scalars import read_scalars
 from canopy.trajectories import Sampling, TrajectoryLog, read_step
 from tests.test_config import config

@@ -14,7 +14,7 @@ from canopy.datamodules.rollout import RolloutDataModule
 from canopy.envs.appworld import environment_kwargs as appworld_kwargs
 from canopy.errors import ConfigError
 from canopy.modules.canopy_module import CanopyModule
-from canopy.rollout.engine import LocalEngine
+from canopy.rollout.local import LocalEngine
 from canopy.trajectories import Sampling
 
 CONF = Path(__file__).resolve().parents[1] / "conf"

@@ -15,8 +15,10 @@ from canopy.datamodules.rollout import (
 )
 from canopy.envs.base import Task, Verdict
 from canopy.envs.embedded import EmbeddedEnvironment
-from canopy.rollout.agent_loop import Budget, Trajectory
-from canopy.rollout.engine import LocalEngine, SamplingParams
+from canopy.rollout.budget import Budget
+from canopy.rollout.engine import SamplingParams
+from canopy.rollout.local import LocalEngine
+from canopy.rollout.trajectory import Trajectory
 from tests.scripted import ScriptedEngine
 from tests.test_objective import group_advantages
 

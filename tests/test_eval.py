@@ -26,8 +26,10 @@ from canopy.eval.runner import (
     write_results,
 )
 from canopy.modules.policy import load_policy
-from canopy.rollout.agent_loop import Budget, invalid_action_fracs
-from canopy.rollout.engine import LocalEngine, SamplingParams
+from canopy.rollout.budget import Budget
+from canopy.rollout.engine import SamplingParams
+from canopy.rollout.local import LocalEngine
+from canopy.rollout.trajectory import invalid_action_fracs
 from canopy.tools.summary import write_summary
 from canopy.trajectories import read_step
 from tests.scripted import ScriptedEngine

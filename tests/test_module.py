@@ -14,8 +14,9 @@ from canopy.envs.embedded import EmbeddedEnvironment
 from canopy.mismatch import OffPolicyError, RolloutCorrection
 from canopy.modules.canopy_module import CanopyModule
 from canopy.modules.policy import export_hf_state_dict, load_policy
-from canopy.rollout.agent_loop import Budget
-from canopy.rollout.engine import LocalEngine, SamplingParams
+from canopy.rollout.budget import Budget
+from canopy.rollout.engine import SamplingParams
+from canopy.rollout.local import LocalEngine
 
 BUDGET = Budget(
     max_turns=3, max_response_tokens=48, max_prompt_tokens=128, max_observation_tokens=32, max_context_tokens=512

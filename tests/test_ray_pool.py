@@ -19,7 +19,8 @@ from canopy.envs.base import AgentFailure, EnvironmentFault, SystemicFaultError,
 from canopy.envs.pool import EnvironmentPool, PoolSettings
 from canopy.envs.ray_pool import RayEnvironment
 from canopy.errors import ConfigError
-from canopy.rollout.agent_loop import Budget, run_episodes
+from canopy.rollout.agent_loop import run_episodes
+from canopy.rollout.budget import Budget
 from canopy.rollout.engine import SamplingParams
 from canopy.tools.tb_scalars import read_scalars
 from tests.scripted import ScriptedEngine

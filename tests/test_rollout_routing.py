@@ -11,9 +11,11 @@ from fake_sglang import FakeGateway, FakeSGLang
 from test_sglang_engine import engine_for, tiny_weights
 
 from canopy.envs.base import StepResult, Task, Verdict
-from canopy.rollout.agent_loop import Budget, run_episodes
+from canopy.rollout.agent_loop import run_episodes
+from canopy.rollout.budget import Budget
 from canopy.rollout.engine import SamplingParams
 from canopy.tools.tiny_model import build_byte_tokenizer
+from tests.scripted import FakeEngine
 
 BUDGET = Budget(max_turns=20, max_response_tokens=400, max_prompt_tokens=128, max_observation_tokens=16,
                 max_context_tokens=2048)  # fmt: skip
@@ -148,15 +150,12 @@ def test_requests_failing_everywhere_quarantine_their_episodes_and_are_counted(t
     engine.close()
 
 
-class RecordingEngine:
+class RecordingEngine(FakeEngine):
     """A batch-at-a-time engine (as the local one) that records which episodes each call served."""
 
     def __init__(self, tokenizer):
         self.tokenizer, self.weight_version, self.batches = tokenizer, 0, []
         self.reply = tokenizer.encode("go", add_special_tokens=False) + [tokenizer.convert_tokens_to_ids("<|im_end|>")]
-
-    def release(self, keys):
-        """Nothing is kept between turns."""
 
     def generate(self, prompts, max_new_tokens, sampling, keys=None):
         self.batches.append([self.tokenizer.decode(p).split("episode ")[1].split("<")[0] for p in prompts])
