@@ -67,8 +67,7 @@ def main(cfg: DictConfig) -> None:
     finally:
         if trajectory_log is not None:
             trajectory_log.close()
-        if hasattr(env, "close"):
-            env.close()
+        env.close()
     if trajectory_log is not None:
         print(f"rollout viewer: {build_viewer(out_dir)}")
 

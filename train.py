@@ -117,8 +117,7 @@ def main(cfg: DictConfig) -> None:
     page = viewer.final(run_dir) if viewer else None
     finish_loggers(loggers, run_dir)
     engine.close()
-    if hasattr(env, "close"):  # the final reports reopened the environment's pool: its workers and scratch go
-        env.close()
+    env.close()  # the final reports reopened the environment's pool: its workers and scratch go
     print(
         f"\nfinal policy (HF format): {final_dir}\nplots: {', '.join(p.name for p in plots)}\nTensorBoard: "
         f"tensorboard --logdir {logger.log_dir}"

@@ -87,7 +87,7 @@ def rollouts(args) -> None:
     engines = {
         "baseline": Baseline(args.baseline_rev, *common),
         "replay": LocalEngine(*common, session_tokens=0),
-        "sessions": LocalEngine(*common, session_tokens=cfg.engine.session_tokens),
+        "sessions": LocalEngine(*common, session_tokens=cfg.engine.local.session_tokens),
     }
     counts = {name: TokenCount(engine.model) for name, engine in engines.items()}
     seconds = {name: [] for name in engines}

@@ -63,6 +63,9 @@ class Environment:
     def start(self, task, seed):
         return Episode(task, self.step_s)
 
+    def close(self):
+        pass
+
 
 class BarrierEngine(FakeEngine):
     """The old loop: the engine takes a batch at a time, so every live episode's turn waits for the slowest one."""

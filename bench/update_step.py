@@ -22,6 +22,8 @@ from canopy.modules.policy import load_policy
 from canopy.objective import canopy_loss
 from canopy.tools.tiny_model import build_tiny_checkpoint
 
+RECIPE = dict(clip_low=0.2, clip_high=0.2, kl_coef=1e-4, aggregation="token-mean")  # algorithm.* of conf/train.yaml
+
 
 def logprobs_of(policy, input_ids: torch.Tensor) -> torch.Tensor:
     """The trainer's logprobs (decoder, then its chunked `LogprobHead`), of each token as its own target."""
@@ -42,7 +44,7 @@ def update(policy, batch: dict, recompute_old: bool = False, correction: Rollout
         log_ratio = torch.where(mask.bool(), old - batch["engine_logprobs"], 0.0)
         ratio, _ = sequence_log_ratio(log_ratio.sum(-1), mask.sum(-1))
         weights, _ = correction.weights(log_ratio, ratio)
-    loss, _ = canopy_loss(logprobs, old, batch["ref_logprobs"], batch["advantages"], mask, pg_weights=weights)
+    loss, _ = canopy_loss(logprobs, old, batch["ref_logprobs"], batch["advantages"], mask, pg_weights=weights, **RECIPE)
     loss.backward()
     policy.zero_grad(set_to_none=True)
 

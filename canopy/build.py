@@ -7,20 +7,18 @@ from omegaconf import DictConfig, OmegaConf
 from transformers import AutoTokenizer
 
 from canopy.compat import require_multiprocess_torch
-from canopy.datamodules.rollout import AdaptiveGroups, RolloutDataModule
+from canopy.datamodules.rollout import RolloutDataModule
 from canopy.envs import environment_factory, environment_kwargs
 from canopy.envs.pool import EnvironmentPool, PoolSettings
 from canopy.envs.worker import build_environment
-from canopy.errors import ConfigError
-from canopy.mismatch import RolloutCorrection
 from canopy.models import get_family
 from canopy.modules.canopy_module import CanopyModule
-from canopy.rollout.budget import Budget
 from canopy.rollout.chat import ChatTokenizer
-from canopy.rollout.engine import EngineHandle, SamplingParams
+from canopy.rollout.engine import EngineHandle
 from canopy.rollout.local import LocalEngine
-from canopy.rollout.sglang import SGLangEngine, SGLangSettings, serving_dtype
-from canopy.rollout.vllm import VLLMEngine, VLLMSettings
+from canopy.rollout.settings import EngineSettings
+from canopy.rollout.sglang import SGLangEngine
+from canopy.rollout.vllm import VLLMEngine
 from canopy.tools.tiny_model import build_tiny_checkpoint
 from canopy.trajectories import TrajectoryLog, sampling_of
 
@@ -57,34 +55,33 @@ def build_env(cfg: DictConfig, log_dir: str | Path | None = None):
     return build_environment(factory, kwargs)
 
 
-SERVER_ENGINES = {"sglang": (SGLangEngine, SGLangSettings), "vllm": (VLLMEngine, VLLMSettings)}
+SERVER_ENGINES = {"sglang": SGLangEngine, "vllm": VLLMEngine}  # HTTP servers: their settings are engine.<name>.*
 
 
 def build_engine(cfg: DictConfig, model_path: str, tokenizer):
+    """`engine.name`'s engine over the checkpoint at `model_path`, stopping at its model family's stop tokens."""
+    settings: EngineSettings = OmegaConf.to_object(cfg.engine)
     stop = [tokenizer.convert_tokens_to_ids(token) for token in get_family(cfg.model.family).chat.stop]
     rope_scaling = cfg.budget.rope_scaling and OmegaConf.to_container(cfg.budget.rope_scaling)
-    if cfg.engine.name == "local":
+    if settings.name == "local":
         return LocalEngine(
             model_path,
             stop_token_ids=stop,
             pad_token_id=tokenizer.pad_token_id,
             seed=cfg.seed,
             rope_scaling=rope_scaling,
-            dtype=cfg.engine.dtype,
-            device=cfg.engine.device,
-            session_tokens=cfg.engine.session_tokens,
+            dtype=settings.local.dtype,
+            device=settings.local.device,
+            session_tokens=settings.local.session_tokens,
         )
-    if cfg.engine.name in SERVER_ENGINES:  # HTTP servers: their settings are engine.<name>.*
-        engine, settings = SERVER_ENGINES[cfg.engine.name]
-        return engine(
-            model_path,
-            stop,
-            settings(**OmegaConf.to_container(cfg.engine[cfg.engine.name], resolve=True)),
-            context_length=cfg.budget.max_context_tokens,
-            rope_scaling=rope_scaling,
-            seed=cfg.seed,
-        )
-    raise ConfigError(f"engine.name={cfg.engine.name!r} is unknown: use engine.name=local, sglang or vllm")
+    return SERVER_ENGINES[settings.name](
+        model_path,
+        stop,
+        settings.served,
+        context_length=cfg.budget.max_context_tokens,
+        rope_scaling=rope_scaling,
+        seed=cfg.seed,
+    )
 
 
 def build_tokenizer(cfg: DictConfig, model_path: str) -> ChatTokenizer:
@@ -102,21 +99,12 @@ def build_trajectory_log(cfg: DictConfig, tokenizer, model_path: str, root: str 
     return TrajectoryLog(root, tokenizer, model_path, sampling, cfg.algorithm.reward)
 
 
-def engine_dtype(cfg: DictConfig, model_path: str) -> str:
-    """The dtype the engine will compute in, known before (and without) building it."""
-    if cfg.engine.name == "sglang":
-        return serving_dtype(cfg.engine.sglang.extra_args, model_path)
-    if cfg.engine.name == "vllm":
-        return cfg.engine.vllm.dtype
-    return cfg.engine.dtype
-
-
 def build_engine_handle(cfg: DictConfig, model_path: str) -> EngineHandle:
     """The run's one engine, built (with the tokenizer's stop and pad ids) on first use, by the generating rank
     only (see `EngineHandle`)."""
     return EngineHandle(
         lambda: build_engine(cfg, model_path, AutoTokenizer.from_pretrained(model_path)),
-        dtype=engine_dtype(cfg, model_path),
+        dtype=OmegaConf.to_object(cfg.engine).compute_dtype(model_path),
     )
 
 
@@ -136,68 +124,29 @@ def build_datamodule(
         env if env is not None else build_env(cfg),
         engine or build_engine_handle(cfg, model_path),
         tokenizer,
-        split=cfg.data.split,
-        tasks_per_step=cfg.data.tasks_per_step,
-        group_size=build_group_size(cfg),
-        budget=Budget.of(cfg.budget),
-        sampling=SamplingParams.of(cfg.sampling),
-        reward=cfg.algorithm.reward,
-        drop_hardest=cfg.data.drop_hardest,
-        hardest_tier=cfg.data.hardest_tier,
-        quarantine_as_failure=cfg.algorithm.quarantine_as_failure,
-        advantage_std=cfg.algorithm.advantage_std,
+        data=OmegaConf.to_object(cfg.data),
+        algorithm=OmegaConf.to_object(cfg.algorithm),
+        budget=OmegaConf.to_object(cfg.budget),
+        sampling=OmegaConf.to_object(cfg.sampling),
         max_quarantine_fraction=cfg.env.max_quarantine_fraction,
         rollout_timeout_s=cfg.trainer.rollout_timeout_s,
-        trajectory_log=trajectory_log,
         seed=cfg.seed,
+        trajectory_log=trajectory_log,
     )
-
-
-def build_group_size(cfg: DictConfig) -> "int | AdaptiveGroups":
-    """`algorithm.group_size`: a fixed n, or (`auto`) the adaptive per-task sizes of `algorithm.adaptive_group`."""
-    a = cfg.algorithm
-    if a.group_size != "auto":
-        return a.group_size
-    g = a.adaptive_group
-    return AdaptiveGroups(cfg.data.tasks_per_step * g.mean, g.floor, g.cap, g.decay)
 
 
 def build_module(cfg: DictConfig, model_path: str, engine: EngineHandle | None = None) -> CanopyModule:
     """The LightningModule, pushing its weights into `engine` (the handle its data module generates with)."""
-    a, o = cfg.algorithm, cfg.optim
     return CanopyModule(
         model_path,
-        kl_coef=a.kl_coef,
-        clip_low=a.clip_low,
-        clip_high=a.clip_high,
-        loss_aggregation=a.loss_aggregation,
-        entropy_coef=a.entropy_coef,
-        minibatches_per_step=a.minibatches_per_step,
-        rollout_correction=build_rollout_correction(cfg),
-        lr=o.lr,
-        betas=tuple(o.betas),
-        weight_decay=o.weight_decay,
-        grad_clip=o.grad_clip,
-        temperature=cfg.sampling.temperature,
-        micro_batch_tokens=cfg.trainer.micro_batch_tokens,
-        logprob_chunk_tokens=cfg.trainer.logprob_chunk_tokens,
+        algorithm=OmegaConf.to_object(cfg.algorithm),
+        optim=OmegaConf.to_object(cfg.optim),
+        trainer=OmegaConf.to_object(cfg.trainer),
+        sampling=OmegaConf.to_object(cfg.sampling),
         parallel=OmegaConf.to_object(cfg.parallelism),
-        engine=engine,
         seed=cfg.seed,
+        engine=engine,
     )
-
-
-def build_rollout_correction(cfg: DictConfig) -> RolloutCorrection:
-    """`algorithm.rollout_correction`, checked (`canopy.mismatch`)."""
-    c = cfg.algorithm.rollout_correction
-    correction = RolloutCorrection(
-        mode=c.mode,
-        tis_cap=c.tis_cap,
-        token_bounds=tuple(c.token_bounds),
-        sequence_bounds=tuple(c.sequence_bounds),
-    )
-    correction.validate()
-    return correction
 
 
 def build_strategy(cfg: DictConfig):

@@ -12,14 +12,15 @@ from hydra.errors import HydraException, OverrideParseException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
-from canopy.callbacks.budget_transfer import EvalSettings
 from canopy.datamodules.rollout import DataSettings
 from canopy.envs import built_in, built_in_environments, environment_module
-from canopy.envs.pool import PoolSettings, check_serving
+from canopy.envs.pool import PoolSettings
 from canopy.envs.ray_pool import RaySettings
 from canopy.envs.sandbox import SandboxLimits
+from canopy.envs.serving import check_serving
 from canopy.errors import ConfigError, is_int, require
 from canopy.eval.runner import check_checkpoint
+from canopy.eval.settings import EvalSettings
 from canopy.mismatch import RolloutCorrection
 from canopy.models import MODEL_FAMILIES, ModelSettings
 from canopy.models.hf_checkpoint import native_positions
@@ -34,19 +35,20 @@ from canopy.modules.checkpoint import checkpoint_kind
 from canopy.modules.parallel import ParallelSettings
 from canopy.rollout.budget import BudgetSettings
 from canopy.rollout.engine import SamplingParams
-from canopy.rollout.sglang import SGLangSettings
-from canopy.rollout.vllm import VLLMSettings
+from canopy.rollout.settings import EngineSettings, LocalEngineSettings
+from canopy.rollout.sglang.settings import SGLangSettings
+from canopy.rollout.vllm.settings import VLLMSettings
 from canopy.tools.summary import ReportSettings
 from canopy.tools.tiny_model import TINY_TOKENIZERS
 from canopy.trajectories import TrajectorySettings
 
-ENGINES = ("local", "sglang", "vllm")
 SCHEMAS = (
     PoolSettings,
     SandboxLimits,
     RaySettings,
     ParallelSettings,
     RolloutCorrection,
+    LocalEngineSettings,
     SGLangSettings,
     VLLMSettings,
 ) + tuple(settings for env in built_in_environments().values() if (settings := getattr(env, "SETTINGS", None)))
@@ -59,6 +61,7 @@ SECTIONS = {
     "data": DataSettings,
     "budget": BudgetSettings,
     "sampling": SamplingParams,
+    "engine": EngineSettings,
     "optim": OptimSettings,
     "trainer": TrainerSettings,
     "parallelism": ParallelSettings,
@@ -178,7 +181,7 @@ def validate(cfg: DictConfig) -> None:
     require(not unknown, f"{'; '.join(unknown)}: remove it, or fix its name (`python train.py --cfg job` lists keys)")
     require(is_int(cfg.seed), f"seed={cfg.seed!r} must be an integer")
     require(isinstance(cfg.print_config, bool), f"print_config={cfg.print_config!r} must be true or false")
-    for node in [node for node in SECTIONS if node != "model"]:  # the model's files are read after the cheap checks
+    for node in [node for node in SECTIONS if node not in ("model", "engine")]:  # the model's files: read last
         settings(cfg, node).validate()
     a, t, p = cfg.algorithm, cfg.trainer, cfg.parallelism
 
@@ -209,7 +212,6 @@ def validate(cfg: DictConfig) -> None:
     )
     environment_module(cfg.env.name, cfg.env.requires)
     check_serving(cfg.env)
-    require(cfg.engine.name in ENGINES, f"engine.name={cfg.engine.name!r} is unknown: use one of {', '.join(ENGINES)}")
     path = cfg.model.path
     kind = checkpoint_kind(path) if path is not None else None
     require(
@@ -225,28 +227,13 @@ def validate(cfg: DictConfig) -> None:
         f"model.tiny.tokenizer={tokenizer!r} is unknown: use {' or '.join(TINY_TOKENIZERS)} (byte reads any text)",
     )
     MODEL_FAMILIES[cfg.model.family].require_context_parallel(p.cp)
-    if cfg.engine.name == "sglang":
-        SGLangSettings(**cfg.engine.sglang).validate(cfg.trainer.accelerator, cfg.trainer.devices)
+    settings(cfg, "engine").validate(t.accelerator, t.devices)
     if cfg.engine.name == "vllm":
-        VLLMSettings(**cfg.engine.vllm).validate(cfg.trainer.accelerator, cfg.trainer.devices)
         require(
             cfg.sampling.top_k == -1 and cfg.sampling.top_p == 1.0,
             f"engine.name=vllm trains on vLLM's logprobs, which with top_k={cfg.sampling.top_k} / "
             f"top_p={cfg.sampling.top_p} are the filtered distribution's, not the one the trainer scores: set "
             "sampling.top_k=-1 sampling.top_p=1.0 for training (evaluation budgets may filter)",
-        )
-    if cfg.engine.name == "local":
-        require(
-            cfg.engine.dtype in ("float32", "bfloat16", "float16"),
-            f"engine.dtype={cfg.engine.dtype!r} is unknown: use float32, bfloat16 or float16",
-        )
-        require(
-            cfg.engine.device in ("cpu", "cuda") or str(cfg.engine.device).startswith("cuda:"),
-            f"engine.device={cfg.engine.device!r} is unknown: use cpu, cuda or cuda:N",
-        )
-        require(
-            is_int(cfg.engine.session_tokens) and cfg.engine.session_tokens >= 0,
-            f"engine.session_tokens={cfg.engine.session_tokens!r} must be an integer >= 0 (0: no sessions kept)",
         )
 
 

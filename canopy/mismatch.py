@@ -125,7 +125,7 @@ def correction_metrics(
     return metrics
 
 
-@dataclass(frozen=True)
+@dataclass
 class GapBounds:
     """Bounds on `mismatch/logprob_gap` for one engine and serving dtype (`engine.gap_bounds.<dtype>`): `parity`
     on the first update of a run, before the policy moved (the engine and the trainer load the same checkpoint);

@@ -41,7 +41,7 @@ DRY_RUN = [
 
 def train(run_dir: Path, steps: int, gpu: bool, overrides: list[str]) -> tuple[dict, dict, float]:
     """`train.py` for `steps` steps; returns its scalars, its summary.json and its wall time."""
-    device = ["trainer.accelerator=gpu", "engine.device=cuda"] if gpu else []
+    device = ["trainer.accelerator=gpu", "engine.local.device=cuda"] if gpu else []
     command = [sys.executable, "train.py", f"trainer.max_steps={steps}", f"hydra.run.dir={run_dir}", *device]
     started = time.perf_counter()
     print("$ " + " ".join(command + overrides), flush=True)
@@ -70,7 +70,7 @@ def values(scalars: dict, name: str) -> list[float]:
 
 def gap(work: Path, gpu: bool, steps: int, extra: list[str]) -> dict:
     # the gap is logged by every step; the run's closing evaluations are not needed
-    overrides = ["engine.dtype=bfloat16", f"engine.gap_bounds.bfloat16={WIDE_BOUNDS}", *extra]
+    overrides = ["engine.local.dtype=bfloat16", f"engine.gap_bounds.bfloat16={WIDE_BOUNDS}", *extra]
     overrides += ["report.eval_samples_per_task=0", "callbacks.budget_transfer=null"]
     scalars, _, _ = train(work / "gap", steps, gpu, overrides)
     gaps, kls = values(scalars, "mismatch/logprob_gap"), values(scalars, "mismatch/kl")

@@ -66,7 +66,7 @@ def write_random_model(spec, path: Path, shape: dict) -> Path:
 def synthetic_batch(shape: dict, step: int, version: int):
     """A packed rollout batch: prompt tokens first (mask 0), then alternating action / observation spans; rows
     shorter by 7 tokens each, so that micro-batches differ in width and CP pads them."""
-    from canopy.rollout_batch import RolloutBatch
+    from canopy.step import RolloutBatch
 
     g = torch.Generator().manual_seed(step)
     rows, width = shape["rows"], shape["seq_len"]
@@ -93,9 +93,10 @@ def run_worker(args) -> None:
     import lightning as L
     from lightning.pytorch.strategies import ModelParallelStrategy
 
+    from canopy.build import build_module
+    from canopy.config import compose_config
     from canopy.datamodules.rollout import split_rows
-    from canopy.modules.canopy_module import CanopyModule
-    from canopy.modules.parallel import ParallelSettings, data_parallel_rank
+    from canopy.modules.parallel import data_parallel_rank
     from canopy.modules.policy import export_hf_state_dict
     from canopy.rollout.engine import EngineHandle
 
@@ -134,14 +135,18 @@ def run_worker(args) -> None:
             self.times.append(time.perf_counter())
             self.metrics.append({k: float(v) for k, v in trainer.callback_metrics.items() if k in COMPARED})
 
-    module = CanopyModule(
-        args.model,
-        kl_coef=0.1,
-        lr=1e-4,
-        micro_batch_tokens=shape["micro_batch_tokens"],
-        parallel=ParallelSettings(dp_replicate=args.dp_replicate, dp_shard=args.dp, tp=args.tp, cp=args.cp),
-        engine=engine,
+    cfg = compose_config(
+        [
+            "algorithm.kl_coef=0.1",
+            "optim.lr=1e-4",
+            f"trainer.micro_batch_tokens={shape['micro_batch_tokens']}",
+            f"parallelism.dp_replicate={args.dp_replicate}",
+            f"parallelism.dp_shard={args.dp}",
+            f"parallelism.tp={args.tp}",
+            f"parallelism.cp={args.cp}",
+        ]
     )
+    module = build_module(cfg, args.model, engine)
     record = Record()
     trainer = L.Trainer(
         accelerator="cpu" if args.cpu_dry_run else "gpu",

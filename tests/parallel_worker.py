@@ -81,7 +81,16 @@ def loss_and_grads(model, ids, targets, mask, advantages, ref, rows, n_tokens, c
             inputs = {"tokens": ids[rows], "positions": positions, "targets": targets[rows]}
             logprobs, entropy = model_token_logprobs(model, inputs, 0.7, chunk_tokens)
     loss, _ = canopy_loss(
-        logprobs, logprobs.detach(), ref[rows], advantages[rows], mask[rows], kl_coef=0.1, num_action_tokens=n_tokens
+        logprobs,
+        logprobs.detach(),
+        ref[rows],
+        advantages[rows],
+        mask[rows],
+        kl_coef=0.1,
+        num_action_tokens=n_tokens,
+        clip_low=0.2,
+        clip_high=0.2,
+        aggregation="token-mean",
     )
     loss = loss - 0.01 * (entropy * mask[rows]).sum() / n_tokens
     loss.backward()

@@ -74,6 +74,7 @@ def test_per_turn_cap_cuts_turns_without_ending_the_episode(tokenizer):
 def test_observation_is_capped(tokenizer):
     class Chatty:
         name = "chatty"
+        max_concurrent_episodes = None
 
         def start(self, task, seed):
             return self

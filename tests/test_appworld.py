@@ -192,7 +192,7 @@ def test_code_that_outlives_the_cell_timeout_is_an_agent_failure(pool):
     """A loop that swallows AppWorld's timeout exception hangs the server: still the agent's doing (scored 0);
     its server is replaced, its worker stays."""
     episode = pool.start(pool.tasks("train")[0], seed=0)
-    worker, old_server = episode.worker.pid, server_pid(episode.worker.pid)
+    worker, old_server = episode.host.pid, server_pid(episode.host.pid)
     with pytest.raises(AgentFailure) as failure:
         episode.step(
             code("while True:\n    try:\n        while True:\n            pass\n    except Exception:\n        pass")
@@ -210,7 +210,7 @@ def test_server_killed_mid_episode_is_quarantined(pool):
     tasks = pool.tasks("train")
     episode = pool.start(tasks[0], seed=0)
     assert not episode.step(code("x = 1")).done
-    os.kill(server_pid(episode.worker.pid), signal.SIGKILL)
+    os.kill(server_pid(episode.host.pid), signal.SIGKILL)
     with pytest.raises(EnvironmentFault) as fault:
         episode.step(code("print(x)"))
     assert fault.value.reason == "appworld_server_killed" and "cannot send (seccomp)" in fault.value.detail
@@ -288,7 +288,7 @@ def test_policy_code_in_the_server_has_no_network_and_writes_only_in_its_folder(
         "except Exception as error:\n    print('network blocked', error)"
     )
     observation = episode.step(code(probe)).observation
-    server = server_pid(episode.worker.pid)
+    server = server_pid(episode.host.pid)
     assert os.readlink(f"/proc/{server}/ns/net") != os.readlink("/proc/self/ns/net")  # a network namespace of its own
     episode.close()
     assert "WROTE" not in observation and "CONNECTED" not in observation, observation

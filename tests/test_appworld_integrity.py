@@ -167,7 +167,7 @@ def test_an_episode_cannot_read_a_concurrent_episodes_end_state(clean_root, tmp_
     try:
         tasks = {t.task_id: t for t in pool.tasks("train")}
         honest, thief = pool.start(tasks[TASK], seed=0), pool.start(tasks[TASK], seed=1)
-        assert honest.worker.pid != thief.worker.pid
+        assert honest.host.pid != thief.host.pid
         assert honest.step(code("apis.supervisor.complete_task(answer=7)")).done
         steps = [
             f"answer = {WRONG_ANSWER}",

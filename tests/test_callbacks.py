@@ -23,12 +23,12 @@ from canopy.callbacks import (
     build_callbacks,
 )
 from canopy.coverage import signal_coverage
-from canopy.datamodules.rollout import StepStats, same_task_groups
 from canopy.envs.base import Task
 from canopy.envs.embedded import EmbeddedEnvironment
 from canopy.errors import ConfigError
 from canopy.mismatch import OffPolicyError
 from canopy.rollout.local import LocalEngine
+from canopy.step import StepStats, same_task_groups
 from canopy.tools.tb_scalars import read_scalars
 from canopy.trajectories import Sampling, TrajectoryLog, read_step
 from tests.test_config import config

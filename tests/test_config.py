@@ -241,8 +241,8 @@ def test_chat_template_options_come_from_the_experiment(tiny_path):
 def test_no_std_reaches_the_data_modules_advantages(tiny_path):
     from canopy.build import build_datamodule
 
-    assert build_datamodule(config("ablation=no_std"), tiny_path).advantage_std is False
-    assert build_datamodule(config(), tiny_path).advantage_std is True
+    assert build_datamodule(config("ablation=no_std"), tiny_path).algorithm.advantage_std is False
+    assert build_datamodule(config(), tiny_path).algorithm.advantage_std is True
 
 
 @pytest.mark.parametrize("value,shown", [("abc", "'abc'"), ("2.5", "2.5"), ("true", "True")])

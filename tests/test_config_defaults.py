@@ -14,21 +14,12 @@ from canopy.datamodules.rollout import RolloutDataModule
 from canopy.envs.appworld import environment_kwargs as appworld_kwargs
 from canopy.errors import ConfigError
 from canopy.modules.canopy_module import CanopyModule
-from canopy.rollout.local import LocalEngine
-from canopy.trajectories import Sampling
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
-TRAIN_YAML = OmegaConf.merge(
-    OmegaConf.load(CONF / "train.yaml"), {"local_engine": OmegaConf.load(CONF / "engine" / "local.yaml")}
-)
-# train.yaml's sections whose keys a constructor also takes, by the same name, with a default of its own
-CONSUMERS = {
-    "algorithm": (CanopyModule, RolloutDataModule),
-    "optim": (CanopyModule,),
-    "trainer": (CanopyModule, RolloutDataModule),
-    "data": (RolloutDataModule,),
-    "trajectories": (Sampling,),
-    "local_engine": (LocalEngine,),  # conf/engine/local.yaml
+# components that take a config section's settings whole, by parameter name
+TAKERS = {
+    CanopyModule: {"algorithm": "algorithm", "optim": "optim", "trainer": "trainer", "sampling": "sampling"},
+    RolloutDataModule: {"data": "data", "algorithm": "algorithm", "budget": "budget", "sampling": "sampling"},
 }
 
 
@@ -62,18 +53,21 @@ def code_default(component, name):
     return None if parameter is None or parameter.default is inspect.Parameter.empty else parameter.default
 
 
-def test_every_default_train_yaml_shows_is_the_one_the_code_uses():
-    compared, disagree = 0, []
-    for section, components in CONSUMERS.items():
-        for key, shown in leaves(OmegaConf.select(TRAIN_YAML, section)):
-            for component in components:
-                default = code_default(component, key)
-                if default is None or (isinstance(shown, str) and shown.startswith("${")):
-                    continue
-                compared += 1
-                if (list(default) if isinstance(default, tuple) else default) != shown:
-                    disagree.append(f"{section}.{key}: train.yaml {shown!r}, {component.__name__} {default!r}")
-    assert disagree == [] and compared >= 20
+def test_components_take_their_settings_whole_and_repeat_no_default():
+    """The composition root hands each component its sections' settings objects whole (typed by the section's schema),
+    and no constructor has a default of its own for a key a schema defines: the schema (or conf/train.yaml for the
+    sections whose schema holds none) is the one place a default is written."""
+    keys = {f.name for schema in {*SCHEMAS, *SECTIONS.values()} for f in dataclasses.fields(schema)}
+    for component, sections in TAKERS.items():
+        parameters = inspect.signature(component).parameters
+        for name, node in sections.items():
+            assert parameters[name].annotation is SECTIONS[node] and parameters[name].default is inspect.Parameter.empty
+        defaulted = {name for name, p in parameters.items() if p.default is not inspect.Parameter.empty}
+        assert defaulted & keys == set(), f"{component.__name__} repeats the default of {defaulted & keys}"
+    cfg = config("algorithm.kl_coef=0.25", "trainer.micro_batch_tokens=777", "sampling.temperature=0.5")
+    module = build_module(cfg, "unused")
+    assert module.algorithm == OmegaConf.to_object(cfg.algorithm) and module.algorithm.kl_coef == 0.25
+    assert module.batching.micro_batch_tokens == 777 and module.sampling.temperature == 0.5
 
 
 def schema_nodes(node: DictConfig, prefix: str = ""):
@@ -103,6 +97,7 @@ def test_schema_defaults_are_written_once():
         "env.swebench",
         "parallelism",
         "algorithm.rollout_correction",
+        "engine.local",
         "engine.sglang",
         "engine.vllm",
     }

@@ -24,7 +24,8 @@ from canopy.modules.logprobs import sequence_inputs
 from canopy.modules.parallel import ParallelSettings, all_reduce_sum, build_parallel_policy, data_parallel_rank
 from canopy.modules.policy import load_policy, unwrap
 from canopy.objective import canopy_loss
-from canopy.rollout_batch import RolloutBatch
+from canopy.step import RolloutBatch
+from tests import settings as test_settings
 from tests.parallel_worker import run_ranks, spawn_from_argv
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -65,7 +66,7 @@ def step_backward(module: CanopyModule, full: RolloutBatch, order: torch.Tensor 
 
 def module_with(policy, reference, dims, settings=None) -> CanopyModule:
     """A module around built models; the reference is scaled off the policy so that the KL term has gradient."""
-    module = CanopyModule("unused", parallel=settings, **HPARAMS)
+    module = test_settings.module("unused", parallel=settings, **HPARAMS)
     with torch.no_grad():
         for p in reference.requires_grad_(False).parameters():
             p.mul_(1.05)
@@ -92,7 +93,16 @@ def test_aligned_targets_match_the_shifted_formulation(tiny_path):
     logprobs, entropy = shifted(previous.policy)
     mask = batch.action_mask[:, 1:]
     loss, metrics = canopy_loss(
-        logprobs, logprobs.detach(), ref, batch.advantages, mask, kl_coef=0.1, num_action_tokens=n_tokens
+        logprobs,
+        logprobs.detach(),
+        ref,
+        batch.advantages,
+        mask,
+        kl_coef=0.1,
+        num_action_tokens=n_tokens,
+        clip_low=0.2,
+        clip_high=0.2,
+        aggregation="token-mean",
     )
     entropy = (entropy * mask).sum() / n_tokens
     (loss - 0.01 * entropy).backward()
@@ -100,8 +110,8 @@ def test_aligned_targets_match_the_shifted_formulation(tiny_path):
     expected = {f"actor/{key}": value for key, value in expected.items()}
 
     aligned = module_with(load_policy(tiny_path)[0], load_policy(tiny_path)[0], None)
-    aligned.hparams.micro_batch_tokens = 10_000  # one micro-batch, as above
-    aligned.hparams.logprob_chunk_tokens = 10_000  # and one chunk of the head (chunking: tests/test_logprob_head.py)
+    aligned.batching.micro_batch_tokens = 10_000  # one micro-batch, as above
+    aligned.batching.logprob_chunk_tokens = 10_000  # and one chunk of the head (chunking: tests/test_logprob_head.py)
     _, _, partials = step_backward(aligned, batch, order=torch.arange(6))  # rows stay in order: lengths decrease
     # equal up to float32 summation order over one more (masked) column (1e-7 relative), and the head's analytic
     # backward, which rounds differently from autograd through log_softmax (gradients 1e-6 relative)
@@ -144,9 +154,9 @@ def test_cp_refusals_name_the_fix():
     with pytest.raises(ConfigError, match="use token-mean"):
         validate(config("parallelism.cp=2", "trainer.accelerator=gpu", "algorithm.loss_aggregation=seq-mean"))
     with pytest.raises(ConfigError, match="use token-mean"):
-        CanopyModule("unused", loss_aggregation="seq-mean", parallel=ParallelSettings(cp=2))
+        test_settings.module("unused", loss_aggregation="seq-mean", parallel=ParallelSettings(cp=2))
     with pytest.raises(ConfigError, match="context parallel needs GPUs"):
-        CanopyModule("unused", parallel=ParallelSettings(cp=2)).configure_model()
+        test_settings.module("unused", parallel=ParallelSettings(cp=2)).configure_model()
 
 
 @pytest.mark.slow

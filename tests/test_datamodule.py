@@ -3,22 +3,15 @@ import math
 import pytest
 import torch
 
-from canopy.coverage import signal_coverage
-from canopy.datamodules.rollout import (
-    AdaptiveGroups,
-    Group,
-    RolloutDataModule,
-    StepStats,
-    pack,
-    same_task_groups,
-    score_groups,
-)
+from canopy.coverage import AdaptiveGroupSettings, signal_coverage
 from canopy.envs.base import Task, Verdict
 from canopy.envs.embedded import EmbeddedEnvironment
 from canopy.rollout.budget import Budget
 from canopy.rollout.engine import SamplingParams
 from canopy.rollout.local import LocalEngine
 from canopy.rollout.trajectory import Trajectory
+from canopy.step import AdaptiveGroups, Group, StepStats, pack, same_task_groups, score_groups
+from tests import settings
 from tests.scripted import ScriptedEngine
 from tests.test_objective import group_advantages
 
@@ -39,7 +32,7 @@ def trajectory(task, i, success=None, quarantine=None, length=5, version=0):
 
 def datamodule(tokenizer, engine, **kwargs):
     args = dict(split="train", tasks_per_step=3, group_size=4, budget=BUDGET, sampling=SamplingParams(), seed=0)
-    return RolloutDataModule(EmbeddedEnvironment(), engine, tokenizer, **{**args, **kwargs})
+    return settings.datamodule(EmbeddedEnvironment(), engine, tokenizer, **{**args, **kwargs})
 
 
 def test_score_groups_quarantines_before_advantages():
@@ -104,8 +97,10 @@ def test_groups_of_different_sizes_each_get_their_own_eq3():
 def test_adaptive_groups_split_a_fixed_budget_for_the_most_mixed_groups(tokenizer):
     """The first step splits the rollouts evenly (the pilot); then by each task's success estimate, for the most
     expected mixed groups (Eq. 4 summed): the task at 4 of 8 mixes with few rollouts, the all-fail one needs more."""
-    groups = AdaptiveGroups(rollouts_per_step=24, floor=2, cap=16, decay=0.5)
-    dm = datamodule(tokenizer, ScriptedEngine(tokenizer, ["login"]), tasks_per_step=3, group_size=groups)
+    adaptive = AdaptiveGroupSettings(mean=8, floor=2, cap=16, decay=0.5)
+    dm = datamodule(tokenizer, ScriptedEngine(tokenizer, ["login"]), group_size="auto", adaptive_group=adaptive)
+    groups = dm.group_size
+    assert isinstance(groups, AdaptiveGroups) and groups.rollouts_per_step == 24
     tasks = dm.sample_tasks()
     assert groups.sizes(tasks) == [8, 8, 8]
     hard, easy, middling = tasks

@@ -89,7 +89,7 @@ def test_partial_or_foreign_weight_updates_are_refused(tiny_path, tokenizer):
 
 
 def test_a_bfloat16_engine_samples_near_the_float32_trainer_but_not_equal(tiny_path, tokenizer):
-    """`engine.dtype=bfloat16`: the gap the device check measures on a GPU, here on the CPU's bf16 kernels."""
+    """`engine.local.dtype=bfloat16`: the gap the device check measures on a GPU, here on the CPU's bf16 kernels."""
     stop = [tokenizer.convert_tokens_to_ids("<|im_end|>")]
     engine = LocalEngine(tiny_path, stop, tokenizer.pad_token_id, seed=3, dtype="bfloat16", device="cpu")
     assert engine.dtype == "bfloat16" and next(engine.model.parameters()).dtype == torch.bfloat16
@@ -106,7 +106,10 @@ def test_a_bfloat16_engine_samples_near_the_float32_trainer_but_not_equal(tiny_p
 
 @pytest.mark.parametrize(
     "override,message",
-    [("engine.dtype=fp8", "engine.dtype='fp8' is unknown"), ("engine.device=tpu", "engine.device='tpu' is unknown")],
+    [
+        ("engine.local.dtype=fp8", "engine.local.dtype='fp8' is unknown"),
+        ("engine.local.device=tpu", "engine.local.device='tpu' is unknown"),
+    ],
 )
 def test_engine_dtype_and_device_are_validated(override, message):
     from canopy.config import validate

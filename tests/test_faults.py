@@ -150,7 +150,7 @@ def test_a_replacement_worker_that_cannot_start_leaves_its_slot_vacant_not_lost(
     try:
         tasks = pool.tasks("train")
         episode = pool.start(tasks[0], seed=0)
-        os.kill(episode.worker.pid, signal.SIGKILL)
+        os.kill(episode.host.pid, signal.SIGKILL)
         with pytest.raises(EnvironmentFault, match="worker_killed"):
             episode.step("login")
         gate.unlink()  # the setup breaks: no replacement can start

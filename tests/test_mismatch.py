@@ -97,8 +97,10 @@ def test_correction_weights_multiply_the_surrogate_only():
     old, ref = logprobs.detach(), torch.tensor([[-1.5, -1.0]])
     advantages = torch.tensor([2.0])
     weights = torch.tensor([[3.0, 0.0]], requires_grad=True)
-    plain = token_objective(logprobs, old, ref, advantages, kl_coef=0.5)
-    weighted = token_objective(logprobs, old, ref, advantages, kl_coef=0.5, pg_weights=weights)
+    plain = token_objective(logprobs, old, ref, advantages, clip_low=0.2, clip_high=0.2, kl_coef=0.5)
+    weighted = token_objective(
+        logprobs, old, ref, advantages, clip_low=0.2, clip_high=0.2, kl_coef=0.5, pg_weights=weights
+    )
     k3 = plain["kl"].detach()
     assert plain["term"].detach()[0].tolist() == pytest.approx((-2.0 + 0.5 * k3)[0].tolist())
     assert weighted["term"].detach()[0].tolist() == pytest.approx([-6.0 + 0.5 * k3[0, 0].item(), 0.5 * k3[0, 1].item()])

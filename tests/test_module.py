@@ -9,14 +9,13 @@ from lightning.pytorch.callbacks import Callback
 from omegaconf import OmegaConf
 
 from canopy.callbacks import OnPolicyAudit
-from canopy.datamodules.rollout import RolloutDataModule
 from canopy.envs.embedded import EmbeddedEnvironment
 from canopy.mismatch import OffPolicyError, RolloutCorrection
-from canopy.modules.canopy_module import CanopyModule
 from canopy.modules.policy import export_hf_state_dict, load_policy
 from canopy.rollout.budget import Budget
 from canopy.rollout.engine import SamplingParams
 from canopy.rollout.local import LocalEngine
+from tests import settings
 
 BUDGET = Budget(
     max_turns=3, max_response_tokens=48, max_prompt_tokens=128, max_observation_tokens=32, max_context_tokens=512
@@ -83,10 +82,10 @@ class VersionLaggingEngine(LocalEngine):
             pass
 
 
-def make(tiny_path, tokenizer, seed=0, engine_class=LocalEngine, reward="sparse", **module_args):
+def make(tiny_path, tokenizer, seed=0, engine_class=LocalEngine, reward="sparse", rollout_correction=None, **values):
     stop = [tokenizer.convert_tokens_to_ids("<|im_end|>")]
     engine = engine_class(tiny_path, stop, tokenizer.pad_token_id, seed=seed)
-    dm = RolloutDataModule(
+    dm = settings.datamodule(
         EmbeddedEnvironment(),
         engine,
         tokenizer,
@@ -98,7 +97,9 @@ def make(tiny_path, tokenizer, seed=0, engine_class=LocalEngine, reward="sparse"
         reward=reward,
         seed=seed,
     )
-    module = CanopyModule(str(tiny_path), lr=1e-3, temperature=1.0, seed=seed, engine=dm.engine_handle, **module_args)
+    if rollout_correction is not None:
+        values["rollout_correction"] = rollout_correction
+    module = settings.module(tiny_path, lr=1e-3, temperature=1.0, seed=seed, engine=dm.engine_handle, **values)
     return dm, module
 
 

@@ -5,6 +5,13 @@ import torch
 
 from canopy.objective import canopy_loss, k3_kl, step_advantages
 
+RECIPE = dict(clip_low=0.2, clip_high=0.2, kl_coef=1e-4, aggregation="token-mean")  # algorithm.* of conf/train.yaml
+
+
+def loss_of(*args, **values):
+    """`canopy_loss` with the recipe's clip, KL and aggregation but for `values`."""
+    return canopy_loss(*args, **{**RECIPE, **values})
+
 
 def ones(n):
     return torch.ones(n, dtype=torch.bool)
@@ -89,7 +96,7 @@ def test_loss_hand_computed_token_mean():
     ref = torch.log(torch.tensor([[0.5, 0.5, 0.25], [0.5, 0.5, 0.5]]))
     adv = torch.tensor([2.0, -1.0])
     mask = torch.tensor([[1, 1, 0], [0, 1, 1]])
-    loss, metrics = canopy_loss(lp, lp.detach(), ref, adv, mask, kl_coef=0.5)
+    loss, metrics = loss_of(lp, lp.detach(), ref, adv, mask, kl_coef=0.5)
     # ratio == 1: surrogate = A; k3 on the masked tokens: [0, (2 - ln2 - 1)], [0, 0]
     k3 = 2 - math.log(2) - 1
     expected = ((-2.0) + (-2.0 + 0.5 * k3) + 1.0 + 1.0) / 4
@@ -101,11 +108,11 @@ def test_clip_binds_on_both_sides():
     old = torch.zeros(1, 4)
     lp = torch.log(torch.tensor([[1.5, 0.5, 1.1, 0.5]]))  # ratios 1.5, 0.5, 1.1, 0.5
     mask = torch.ones(1, 4)
-    _, pos = canopy_loss(lp, old, lp, torch.tensor([1.0]), mask)
-    _, neg = canopy_loss(lp, old, lp, torch.tensor([-1.0]), mask)
+    _, pos = loss_of(lp, old, lp, torch.tensor([1.0]), mask)
+    _, neg = loss_of(lp, old, lp, torch.tensor([-1.0]), mask)
     assert pos["pg_clipfrac"].item() == pytest.approx(0.25)  # ratio 1.5 > 1.2 with A > 0
     assert neg["pg_clipfrac"].item() == pytest.approx(0.5)  # ratios 0.5 < 0.8 with A < 0
-    _, asym = canopy_loss(lp, old, lp, torch.tensor([1.0]), mask, clip_high=0.05)
+    _, asym = loss_of(lp, old, lp, torch.tensor([1.0]), mask, clip_high=0.05)
     assert asym["pg_clipfrac"].item() == pytest.approx(0.5)  # 1.5 and 1.1 > 1.05
     assert pos["ppo_kl"].item() == pytest.approx(-lp.mean().item())
 
@@ -113,7 +120,7 @@ def test_clip_binds_on_both_sides():
 def test_clipped_gradient_is_zero_beyond_the_clip():
     old = torch.zeros(1, 2)
     lp = torch.log(torch.tensor([[1.5, 1.0]])).requires_grad_()
-    loss, _ = canopy_loss(lp, old, lp.detach(), torch.tensor([1.0]), torch.ones(1, 2), kl_coef=0.0)
+    loss, _ = loss_of(lp, old, lp.detach(), torch.tensor([1.0]), torch.ones(1, 2), kl_coef=0.0)
     loss.backward()
     assert lp.grad[0, 0].item() == 0.0
     assert lp.grad[0, 1].item() == pytest.approx(-0.5)
@@ -123,11 +130,11 @@ def test_token_mean_weighs_every_token_equally_and_seq_mean_does_not():
     lp = torch.zeros(2, 4, requires_grad=True)
     mask = torch.tensor([[1, 1, 1, 1], [1, 0, 0, 0]])
     adv = torch.tensor([1.0, 1.0])
-    loss, _ = canopy_loss(lp, lp.detach(), lp.detach(), adv, mask, kl_coef=0.0)
+    loss, _ = loss_of(lp, lp.detach(), lp.detach(), adv, mask, kl_coef=0.0)
     loss.backward()
     assert torch.allclose(lp.grad[mask.bool()], torch.full((5,), -1 / 5))
     lp.grad = None
-    loss, _ = canopy_loss(lp, lp.detach(), lp.detach(), adv, mask, kl_coef=0.0, aggregation="seq-mean")
+    loss, _ = loss_of(lp, lp.detach(), lp.detach(), adv, mask, kl_coef=0.0, aggregation="seq-mean")
     loss.backward()
     assert torch.allclose(lp.grad[0], torch.full((4,), -1 / 8))  # (1/4 per token) / 2 sequences
     assert lp.grad[1, 0].item() == pytest.approx(-1 / 2)
@@ -136,7 +143,7 @@ def test_token_mean_weighs_every_token_equally_and_seq_mean_does_not():
 def test_environment_tokens_get_no_gradient():
     lp = torch.zeros(1, 5, requires_grad=True)
     mask = torch.tensor([[0, 1, 1, 0, 1]])
-    loss, _ = canopy_loss(lp, lp.detach(), lp.detach() - 1, torch.tensor([1.0]), mask)
+    loss, _ = loss_of(lp, lp.detach(), lp.detach() - 1, torch.tensor([1.0]), mask)
     loss.backward()
     assert (lp.grad[0, [0, 3]] == 0).all() and (lp.grad[0, [1, 2, 4]] != 0).all()
 
@@ -148,12 +155,12 @@ def test_micro_batch_accumulation_equals_full_batch(aggregation):
     ref, adv = torch.randn(6, 9), torch.randn(6)
     mask = (torch.rand(6, 9) > 0.4).int()
     mask[:, 0] = 1
-    full, _ = canopy_loss(lp, lp.detach(), ref, adv, mask, aggregation=aggregation, kl_coef=0.1)
+    full, _ = loss_of(lp, lp.detach(), ref, adv, mask, aggregation=aggregation, kl_coef=0.1)
     (full_grad,) = torch.autograd.grad(full, lp)
     n_tokens, n_seq = int(mask.sum()), int((mask.sum(-1) > 0).sum())
     total = 0.0
     for rows in (slice(0, 2), slice(2, 5), slice(5, 6)):
-        part, _ = canopy_loss(
+        part, _ = loss_of(
             lp[rows],
             lp[rows].detach(),
             ref[rows],
@@ -172,7 +179,7 @@ def test_micro_batch_accumulation_equals_full_batch(aggregation):
 
 def test_unknown_aggregation_is_rejected():
     with pytest.raises(ValueError, match="token-mean"):
-        canopy_loss(
+        loss_of(
             torch.zeros(1, 2), torch.zeros(1, 2), torch.zeros(1, 2), torch.zeros(1), torch.ones(1, 2), aggregation="sum"
         )
 

@@ -86,7 +86,7 @@ def test_a_reply_without_a_code_block_is_invalid_across_the_worker_channel(pool)
 
 def test_killed_worker_is_quarantined_and_replaced(pool):
     episode = pool.start(pool.tasks("train")[0], seed=0)
-    victim = episode.worker.pid
+    victim = episode.host.pid
     os.kill(victim, signal.SIGKILL)
     with pytest.raises(EnvironmentFault) as fault:
         episode.step(code("print(1)"))
@@ -97,7 +97,7 @@ def test_killed_worker_is_quarantined_and_replaced(pool):
 
 def test_stopped_worker_is_unresponsive(pool):
     episode = pool.start(pool.tasks("train")[0], seed=0)
-    os.kill(episode.worker.pid, signal.SIGSTOP)
+    os.kill(episode.host.pid, signal.SIGSTOP)
     started = time.monotonic()
     with pytest.raises(EnvironmentFault) as fault:
         episode.step(code("print(1)"))
@@ -119,7 +119,7 @@ def test_dead_idle_worker_is_repaired_by_the_health_check(pool):
 def test_requests_for_another_episode_are_corruption(pool):
     tasks = pool.tasks("train")
     first, second = pool.start(tasks[0], seed=0), pool.start(tasks[1], seed=1)
-    first.worker, second.worker = second.worker, first.worker  # a mis-route
+    first.host, second.host = second.host, first.host  # a mis-route
     with pytest.raises(EnvironmentFault) as fault:
         first.step(code("print(1)"))
     assert fault.value.reason == "cross_episode_corruption"
@@ -136,7 +136,7 @@ pool = EnvironmentPool("canopy.envs.python_tasks:PythonTaskEnvironment",
     {{"sandbox": {{"cpu_seconds": 5, "wall_seconds": 6.0, "memory_mb": 256, "max_processes": 8}}}},
     PoolSettings(workers=1, memory_mb=1024, request_timeout_s=20.0), scratch_root={scratch!r})
 episode = pool.start(pool.tasks("train")[0], seed=0)
-print(json.dumps([episode.worker.pid, episode.worker.uid]), flush=True)
+print(json.dumps([episode.host.pid, episode.host.uid]), flush=True)
 threading.Thread(target=episode.step, args=("```python\\nimport time; time.sleep(3)\\n```",)).start()
 time.sleep(1.0)
 os.kill(os.getpid(), 9)

@@ -151,7 +151,7 @@ def test_a_folder_tree_deeper_than_recursion_goes_leaves_nothing_behind():
     try:
         pooled = pool.start(pool.tasks("train")[0], seed=0)
         pooled.step(code(ATTACKS["deep_folder_tree"][0]))
-        os.kill(pooled.worker.pid, signal.SIGKILL)  # its episode cannot remove the tree: the pool must
+        os.kill(pooled.host.pid, signal.SIGKILL)  # its episode cannot remove the tree: the pool must
         with pytest.raises(EnvironmentFault, match="worker_killed"):
             pooled.verdict()
         pooled.close()

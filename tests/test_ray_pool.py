@@ -119,7 +119,7 @@ def submit_all(env, tasks):
             answer = task.spec["answer"] if index % 2 == 0 else "wrong"
             assert episode.step(code(f"submit({answer!r})")).done
             verdicts.append(episode.verdict())
-            nodes.append(getattr(episode, "node", None) and episode.node.node_id)
+            nodes.append(getattr(episode.host, "node_id", None))  # None: a pool worker
         for episode in episodes:
             episode.close()
     return verdicts, nodes
@@ -148,7 +148,7 @@ def test_episodes_spread_over_the_nodes_with_the_verdicts_of_one_pool(cluster):
 
 
 def on_the_added_node(episodes, cluster):
-    return next(e for e in episodes if e.node.node_id != cluster.head_node.node_id)
+    return next(e for e in episodes if e.host.node_id != cluster.head_node.node_id)
 
 
 @pytest.mark.slow
@@ -168,8 +168,8 @@ def test_faults_on_a_remote_node_arrive_as_themselves(connected):
         remote = on_the_added_node(episodes, cluster)
         with pytest.raises(EnvironmentFault) as fault:
             remote.step(code("print(1)"))
-        assert fault.value.reason == "worker_killed" and remote.node.name in fault.value.detail
-        assert fault.value.worker == remote.node.index  # slot 0 of that node, numbered over the cluster
+        assert fault.value.reason == "worker_killed" and remote.host.name in fault.value.detail
+        assert fault.value.worker == remote.host.index  # slot 0 of that node, numbered over the cluster
         for episode in episodes:
             episode.close()
         episodes = [env.start(plain, seed=0) for _ in range(2)]
@@ -196,8 +196,8 @@ def test_a_lost_node_quarantines_its_episodes_and_takes_no_new_ones(connected, e
     try:
         tasks = env.tasks("train")
         episodes = [env.start(task, seed=0) for task in tasks[:3]]  # one on each of the 3 nodes
-        lost = next(e for e in episodes if e.node.node_id == extra.node_id)
-        actor_pid = ray.get(lost.node.actor.__ray_call__.remote(lambda actor: os.getpid()))
+        lost = next(e for e in episodes if e.host.node_id == extra.node_id)
+        actor_pid = ray.get(lost.host.actor.__ray_call__.remote(lambda actor: os.getpid()))
         cluster.remove_node(extra, allow_graceful=False)  # the node crashes: its processes die at once, the
         with contextlib.suppress(ProcessLookupError):  # actor's too (its worker notices its raylet's end by itself,
             os.kill(actor_pid, signal.SIGKILL)  # but only a moment later, or already has)
@@ -210,7 +210,7 @@ def test_a_lost_node_quarantines_its_episodes_and_takes_no_new_ones(connected, e
                 assert episode.step(code("print(1)")).observation == "1\n"
                 episode.close()
         later = [env.start(task, seed=0) for task in tasks[3:5]]
-        assert {e.node.node_id for e in later} == {n.node_id for n in env.nodes} - {extra.node_id}
+        assert {e.host.node_id for e in later} == {n.node_id for n in env.nodes} - {extra.node_id}
         for episode in later:
             episode.close()
         for node in env.nodes:
@@ -235,17 +235,17 @@ def test_a_node_that_does_not_answer_in_time_is_lost(connected, monkeypatch):
         task = env.tasks("train")[0]
         episodes = [env.start(task, seed=0) for _ in range(2)]
         hung = episodes[0]
-        os.kill(ray.get(hung.node.actor.__ray_call__.remote(lambda actor: os.getpid())), signal.SIGSTOP)
+        os.kill(ray.get(hung.host.actor.__ray_call__.remote(lambda actor: os.getpid())), signal.SIGSTOP)
         with pytest.raises(EnvironmentFault) as fault:
             hung.step(code("print(1)"))
         assert fault.value.reason == "node_lost" and "GetTimeoutError" in fault.value.detail
         with pytest.raises(ray.exceptions.RayActorError):  # killed, so that it cannot come back half-way
-            ray.get(hung.node.actor.ready.remote(), timeout=60)
-        survivor = episodes[1].node
+            ray.get(hung.host.actor.ready.remote(), timeout=60)
+        survivor = episodes[1].host
         for episode in episodes:
             episode.close()
         later = env.start(task, seed=0)
-        assert later.node is survivor
+        assert later.host is survivor
         later.close()
     finally:
         env.close()
@@ -346,7 +346,7 @@ def test_one_machine_never_imports_ray():
     script = (
         "import sys\n"
         "from canopy.config import compose_config\n"
-        "from canopy.envs.pool import check_serving\n"
+        "from canopy.envs.serving import check_serving\n"
         "check_serving(compose_config(['env.pool.workers=2']).env)\n"
         "assert 'ray' not in sys.modules\n"
     )

@@ -52,6 +52,9 @@ class CountdownEnvironment:
     def start(self, task, seed):
         return CountdownEpisode(task, self.step_s)
 
+    def close(self):
+        pass
+
 
 def jobs(count: int, turns: int) -> list[tuple[Task, int]]:
     return [(Task(f"e{i}", 1, "s", {"turns": turns}), 0) for i in range(count)]

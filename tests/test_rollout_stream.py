@@ -18,9 +18,10 @@ import torch
 import torch.distributed as dist
 
 from canopy.callbacks.budget_transfer import BudgetTransferEval
-from canopy.datamodules.rollout import RolloutDataModule, RolloutStream, pack, split_rows
+from canopy.datamodules.rollout import RolloutDataModule, RolloutStream, split_rows
 from canopy.envs.base import SystemicFaultError, Task
 from canopy.envs.embedded import EmbeddedEnvironment
+from canopy.step import pack
 from tests.parallel_worker import free_port
 from tests.test_datamodule import BUDGET, trajectory
 

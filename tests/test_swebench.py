@@ -18,7 +18,6 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
-from canopy.datamodules.rollout import StepStats, same_task_groups
 from canopy.envs.base import EnvironmentFault, Task
 from canopy.envs.fault_injection import fill
 from canopy.envs.isolation import RuntimeSettings, SandboxError, build_runtime, safe_image_name
@@ -32,6 +31,7 @@ from canopy.rollout.agent_loop import run_episodes
 from canopy.rollout.budget import Budget
 from canopy.rollout.engine import Generation, SamplingParams
 from canopy.rollout.trajectory import Trajectory
+from canopy.step import StepStats, same_task_groups
 from canopy.tools.swe_attacks import HOOK, new_file
 from canopy.tools.swe_data.cache_images import cache_images
 from canopy.tools.swe_data.convert import convert_rebench, convert_verified

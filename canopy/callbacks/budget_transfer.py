@@ -3,45 +3,16 @@ split at the training budget and at the enlarged one, every `every_n_steps` step
 Periodic evaluations at the training budget give the dev-score curve of Fig. 4."""
 
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
 
 import lightning as L
 from omegaconf import DictConfig, OmegaConf
 
-from canopy.errors import require
 from canopy.eval.runner import budget_label, evaluation, sample_runs, with_budget, write_results
 from canopy.modules.parallel import alone_on_rank0
-from canopy.rollout.budget import Budget, BudgetSettings
+from canopy.rollout.budget import Budget
 from canopy.rollout.engine import SamplingParams
 from canopy.tools.plots import plot_budget_transfer
-
-
-@dataclass
-class TestTimeBudget:
-    """A budget group composed elsewhere than at the root (`budget@eval.enlarged=<name>`): its two nodes."""
-
-    budget: BudgetSettings
-    sampling: SamplingParams
-
-
-@dataclass
-class EvalSettings:
-    """`eval.*`, the held-out evaluation during training: the schema (conf/train.yaml holds the defaults)."""
-
-    split: str
-    k: int
-    every_n_steps: int
-    enlarged: TestTimeBudget
-
-    def validate(self) -> None:
-        require(self.k >= 1, f"eval.k={self.k} must be a positive integer (runs per task, mean@k)")
-        require(
-            self.every_n_steps >= 0,
-            f"eval.every_n_steps={self.every_n_steps} must be 0 (only at the end) or a positive integer",
-        )
-        self.enlarged.budget.validate("eval.enlarged.budget")
-        self.enlarged.sampling.validate("eval.enlarged.sampling")
 
 
 class BudgetTransferEval(L.Callback):

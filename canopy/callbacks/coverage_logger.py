@@ -4,7 +4,7 @@ against P_sig = 1 - p^n - (1-p)^n predicted by Eq. 4 from the tier's current suc
 import lightning as L
 
 from canopy.coverage import signal_coverage
-from canopy.datamodules.rollout import StepStats
+from canopy.step import StepStats
 
 
 def predicted_coverage(stats: StepStats) -> dict[str, float]:

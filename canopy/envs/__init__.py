@@ -21,7 +21,9 @@ from types import ModuleType
 
 from packaging.requirements import InvalidRequirement, Requirement
 
+from canopy.envs.base import Environment
 from canopy.errors import ConfigError
+from canopy.protocols import mismatches
 
 ENTRY_POINTS = "canopy.environments"
 
@@ -114,6 +116,13 @@ def environment_module(name: str, requires=()):
         raise ConfigError(
             f"env.name={name}: module {path} defines no ENVIRONMENT: set ENVIRONMENT = <its environment class> "
             "(docs/environments.md)"
+        )
+    missing = mismatches(module.ENVIRONMENT, Environment)
+    if missing:
+        raise ConfigError(
+            f"env.name={name}: {path}.{module.ENVIRONMENT.__name__} does not implement the Environment protocol "
+            f"(canopy/envs/base.py): {'; '.join(missing)}; an in-process environment declares "
+            "`max_concurrent_episodes = None` and `def close(self): pass` (docs/environments.md)"
         )
     return module
 

@@ -433,6 +433,7 @@ class AppWorldEnvironment:
     """AppWorld tasks from a data root (`data/tasks/`, `data/datasets/<split>.txt`), one server per process."""
 
     name = "appworld"
+    max_concurrent_episodes: int | None = None  # in-process (one world per process: it runs behind the pool)
 
     def __init__(
         self,
@@ -492,6 +493,13 @@ class AppWorldEnvironment:
 
     def start(self, task: Task, seed: int) -> AppWorldEpisode:
         return AppWorldEpisode(self, task, seed)
+
+    def close(self) -> None:
+        """Stop the process's AppWorld server and grader, if they run; the next episode starts them again."""
+        self.discard_server()
+        if self.judge is not None:
+            self.judge.stop()
+            self.judge = None
 
 
 @dataclass

@@ -90,13 +90,26 @@ class Episode(Protocol):
 
 
 class Environment(Protocol):
+    """A source of tasks and their episodes. Every member is required: Canopy reads them without probing
+    (`tests/test_env_protocol.py` checks that each of its environments declares all of them)."""
+
     name: str
+    max_concurrent_episodes: int | None
+    """How many episodes may run at once, and how. None: in-process, no cap (every job at once unless the loop is
+    given a `concurrency`); with a batch-at-a-time engine the agent loop drives the episodes in its own thread, one
+    batch of every live episode's request per turn. N: at most N at once (a pool's workers), each episode's loop in
+    a thread of its own; the systematic-fault check (`check_systemic_faults`) counts N workers."""
 
     def tasks(self, split: str) -> list[Task]:
         """The task pool of a split (train / dev / test ...)."""
 
     def start(self, task: Task, seed: int) -> Episode:
         """Begin a fresh, isolated episode of `task`."""
+
+    def close(self) -> None:
+        """Release what the environment holds between episodes (a pool's workers, a cluster's actors, a server); a
+        no-op for one that holds nothing. The environment may be used again after it (a pool restarts its
+        workers on first use)."""
 
 
 CODE_BLOCK = re.compile(r"```(?:python)?\n(.*?)```", re.DOTALL)

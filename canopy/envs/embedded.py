@@ -153,6 +153,7 @@ class EmbeddedEnvironment:
     """In-process vault world; deterministic, so `seed` only names the episode (and places its injected faults)."""
 
     name = "embedded"
+    max_concurrent_episodes: int | None = None  # in-process
 
     def __init__(self, fault_rate: float = 0.0, declare_done: bool = False):
         self.fault_rate = fault_rate
@@ -163,6 +164,9 @@ class EmbeddedEnvironment:
 
     def start(self, task: Task, seed: int) -> VaultEpisode:
         return VaultEpisode(task, seed, self.fault_rate, self.declare_done)
+
+    def close(self) -> None:
+        """Nothing is held between episodes."""
 
 
 def environment_kwargs(env) -> dict:

@@ -13,9 +13,9 @@ the log of a worker that faulted is kept in `log_dir` (default `<tmp>/canopy-fau
 `env_logs/` in training) and named in the fault. Sandboxes a worker starts through `canopy.envs.isolation` carry
 its slot's tag: stopping the worker (also after kill -9) removes their cgroups and containers.
 
-The pool holds its scratch folder's owner lock while it runs. A pool killed before `close()` (kill -9, the OOM
-killer, a preempted job) leaves the lock free; its workers close their episodes and exit, and the next pool to
-start on the machine removes the folder and what its slots' sandboxes left (`sweep_abandoned_scratch`).
+The pool holds its scratch folder's owner lock while it runs (`canopy.envs.scratch`). A pool killed before `close()`
+(kill -9, the OOM killer, a preempted job) leaves the lock free; its workers close their episodes and exit, and the
+next pool to start on the machine removes the folder and what its slots' sandboxes left (`sweep_abandoned_scratch`).
 
 Fault attribution: the agent's own endings come back from the worker as `AgentFailure` (scored 0). What the
 layer attributes to itself raises `EnvironmentFault` and quarantines the episode:
@@ -29,7 +29,6 @@ layer attributes to itself raises `EnvironmentFault` and quarantines the episode
   worker_start_failed      a replacement worker could not be started for the episode
 """
 
-import fcntl
 import itertools
 import json
 import os
@@ -40,8 +39,6 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -49,16 +46,16 @@ from canopy.envs.attribution import POOL_SCRATCH
 from canopy.envs.base import (
     AgentFailure,
     EnvironmentFault,
-    StepResult,
     SystemicFaultError,
     Task,
-    Verdict,
     keep_fault_log,
     last_line,
 )
-from canopy.envs.isolation import SLOT_TAG, SandboxError, release_slot
+from canopy.envs.isolation import SLOT_TAG, release_slot
 from canopy.envs.isolation.base import remove_tree
+from canopy.envs.remote import RemoteEpisode
 from canopy.envs.sandbox import SandboxLimits, claim_uid, kill_uid, private_home
+from canopy.envs.scratch import SCRATCH_PREFIX, claim_scratch, slot_tag, sweep_abandoned_scratch
 from canopy.envs.worker import read_frame, write_frame
 from canopy.errors import is_int, require
 
@@ -110,12 +107,6 @@ class PoolSettings:
             f"env.pool.memory_mb={self.memory_mb} must exceed env.sandbox.memory_mb={sandbox.memory_mb}: the "
             "worker hosts the sandbox",
         )
-
-
-def slot_tag(scratch: Path) -> str:
-    """The name of a worker slot's sandboxes' cgroups and containers, from the slot's scratch folder
-    (`<pool scratch>/w<slot>`): `<pool scratch folder's name>-w<slot>`, unique on the machine."""
-    return f"{scratch.parent.name}-{scratch.name}"
 
 
 class Worker:
@@ -221,62 +212,11 @@ class Worker:
         release_slot(self.tag, self.scratch)
 
 
-SCRATCH_PREFIX = "canopy-envs-"  # a pool's default scratch folder, in the temporary folder: canopy-envs-<pid>-<id>
-OWNER_LOCK = ".owner"  # in a scratch folder: flock-ed by the pool that owns it, holding the owner's pid
-
-
-def claim_scratch(root: Path) -> int:
-    """Create the pool's scratch folder and take its owner lock (the fd returned). The kernel drops an flock when
-    its process dies, kill -9 included, so a free lock marks an abandoned folder. The pid is written only while the
-    lock is held: an empty lock file is a pool still starting, never swept."""
-    root.mkdir(parents=True, exist_ok=True)
-    root.chmod(0o711)  # sandbox users must reach their own scratch directories below it
-    fd = os.open(root / OWNER_LOCK, os.O_CREAT | os.O_RDWR, 0o600)
-    deadline = time.monotonic() + 1.0  # a sweeper holds a free lock only while it reads the file
-    while True:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            break
-        except BlockingIOError:
-            if time.monotonic() > deadline:
-                os.close(fd)
-                owner = (root / OWNER_LOCK).read_text().strip() or "?"
-                raise SystemicFaultError(
-                    f"scratch folder {root} belongs to a live pool (pid {owner}): give each pool its own"
-                ) from None
-            time.sleep(0.05)
-    os.ftruncate(fd, 0)
-    os.write(fd, str(os.getpid()).encode())
-    return fd
-
-
-def sweep_abandoned_scratch(parent: Path) -> None:
-    """Remove the scratch folders in `parent` whose pool died without `close()`, with what their slots'
-    sandboxes left (`release_slot`: cgroups, containers). A folder whose owner lives, that is still starting, or
-    that has no owner lock (not a pool's, or another user's) is left alone; one whose containers cannot be removed
-    now is kept, with a warning, for a later sweep."""
-    for root in parent.glob(f"{SCRATCH_PREFIX}*"):
-        try:
-            fd = os.open(root / OWNER_LOCK, os.O_RDWR)
-        except OSError:
-            continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            if not os.read(fd, 64):
-                continue
-            for slot in root.glob("w*"):
-                release_slot(slot_tag(slot), slot)
-            remove_tree(root)
-        except BlockingIOError:
-            pass
-        except SandboxError as error:
-            warnings.warn(f"left the abandoned scratch folder {root} for a later run: {error}", stacklevel=2)
-        finally:
-            os.close(fd)
-
-
 class EnvironmentPool:
     """An `Environment` served by `settings.workers` isolated worker processes (see the module docstring)."""
+
+    name: str  # pool:<factory>
+    max_concurrent_episodes: int  # settings.workers: one episode per worker at a time
 
     def __init__(
         self,
@@ -378,7 +318,8 @@ class EnvironmentPool:
         finally:
             self.release(worker)
 
-    def start(self, task: Task, seed: int) -> "PooledEpisode":
+    def start(self, task: Task, seed: int) -> RemoteEpisode:
+        """The episode, pinned to one worker (its `host`) until `close()` hands the worker back."""
         worker = self._acquire()
         episode_id = f"{task.task_id}#{next(self._episode_ids)}"
         worker.episodes_served += 1
@@ -387,7 +328,19 @@ class EnvironmentPool:
         except BaseException:
             self.release(worker)
             raise
-        return PooledEpisode(self, worker, episode_id, messages)
+        return RemoteEpisode(episode_id, messages, worker, self._request, self._end)
+
+    def _request(self, worker: Worker, episode_id: str, op: str, *args):
+        return worker.request(op, episode_id, args, self.settings.timeout(op))
+
+    def _end(self, worker: Worker, episode_id: str) -> None:
+        """Close the episode on its worker (a worker that fails to is broken: retired), and hand the worker back."""
+        if not worker.broken:
+            try:
+                self._request(worker, episode_id, "close")
+            except (EnvironmentFault, AgentFailure):
+                worker.broken = True
+        self.release(worker)
 
     def close(self) -> None:
         with self._lock:
@@ -404,50 +357,3 @@ class EnvironmentPool:
             remove_tree(self.scratch_root)
             os.close(self._owner_lock)
             self._owner_lock = None
-
-
-class PooledEpisode:
-    """One episode, pinned to one worker until `close()` hands the worker back."""
-
-    def __init__(self, pool: EnvironmentPool, worker: Worker, episode_id: str, messages: list[dict]):
-        self.pool, self.worker, self.episode_id, self._messages = pool, worker, episode_id, messages
-
-    def _request(self, op: str, *args):
-        if self.worker is None:
-            raise RuntimeError(f"episode {self.episode_id} is closed")
-        return self.worker.request(op, self.episode_id, args, self.pool.settings.timeout(op))
-
-    def messages(self) -> list[dict]:
-        return self._messages
-
-    def step(self, action_text: str) -> StepResult:
-        return self._request("step", action_text)
-
-    def verdict(self) -> Verdict:
-        return self._request("verdict")
-
-    def close(self) -> None:
-        if self.worker is None:
-            return
-        worker, self.worker = self.worker, None
-        if not worker.broken:
-            try:
-                worker.request("close", self.episode_id, (), self.pool.settings.timeout("close"))
-            except (EnvironmentFault, AgentFailure):
-                worker.broken = True
-        self.pool.release(worker)
-
-
-def check_serving(env) -> None:
-    """The serving layer's keys: `env.max_quarantine_fraction`, `env.sandbox.*`, `env.pool.*` against them, then
-    `env.ray.*`."""
-    from canopy.envs import ray_pool
-
-    require(
-        isinstance(env.max_quarantine_fraction, (int, float)) and 0 < env.max_quarantine_fraction <= 1,
-        f"env.max_quarantine_fraction={env.max_quarantine_fraction} must lie in (0, 1]: above this fraction of "
-        "quarantined episodes a step stops the run as a broken setup (1 = only when every episode is)",
-    )
-    sandbox = SandboxLimits(**env.sandbox)
-    PoolSettings(**env.pool).validate(sandbox)
-    ray_pool.validate(env)

@@ -145,6 +145,7 @@ class PythonTaskEpisode:
 
 class PythonTaskEnvironment:
     name = "python_tasks"
+    max_concurrent_episodes: int | None = None  # in-process; a pool of them declares its workers
 
     def __init__(self, sandbox: dict | None = None, max_observation_chars: int = 2000, tasks_per_tier: int = 10):
         self.limits = SandboxLimits(**(sandbox or {}))
@@ -156,6 +157,9 @@ class PythonTaskEnvironment:
 
     def start(self, task: Task, seed: int) -> PythonTaskEpisode:
         return PythonTaskEpisode(task, self.scratch_root, self.limits, self.max_observation_chars)
+
+    def close(self) -> None:
+        """Nothing is held between episodes (each episode removes its own scratch folder)."""
 
 
 ENVIRONMENT = PythonTaskEnvironment

@@ -3,7 +3,7 @@
 `RayEnvironment` is an `Environment` whose episodes run on the nodes of a Ray cluster: one `NodePool` actor per
 node, pinned there, hosts the node's own `EnvironmentPool` (the same factory, keyword arguments and `PoolSettings`,
 so the same isolated workers, sandboxes and fault attribution run on every node). A new episode goes to the live
-node with the fewest open episodes; its `RayEpisode` sends each call to that node's actor.
+node with the fewest open episodes; its `RemoteEpisode` sends each call to that node's actor.
 
 Faults keep their attribution across nodes: an `EnvironmentFault`, `AgentFailure` or `SystemicFaultError` raised
 on a node reaches the caller as itself, unwrapped from Ray's `RayTaskError`. An `EnvironmentFault` names its node
@@ -28,6 +28,7 @@ from pathlib import Path
 
 from canopy.envs.base import AgentFailure, EnvironmentFault, SystemicFaultError, Task, last_line
 from canopy.envs.pool import EnvironmentPool, PoolSettings
+from canopy.envs.remote import RemoteEpisode
 from canopy.errors import ConfigError, is_int, require
 
 MARGIN_S = 30.0  # past a call's longest path on a healthy node, the node counts as lost
@@ -98,7 +99,7 @@ class NodePool:
 
     def __init__(self, factory: str, kwargs: dict, settings: PoolSettings, log_dir: str | None):
         self.pool = EnvironmentPool(factory, kwargs, settings, log_dir=log_dir)
-        self.episodes = {}  # episode id -> its PooledEpisode
+        self.episodes = {}  # episode id -> its episode of the pool (a RemoteEpisode)
 
     def ready(self) -> str:
         """The id of the node the actor runs on, once it runs."""
@@ -147,6 +148,8 @@ class Node:
 
 class RayEnvironment:
     """An `Environment` whose episodes run on the nodes of a Ray cluster (see the module docstring)."""
+
+    name: str  # ray:<factory>
 
     def __init__(
         self,
@@ -244,14 +247,28 @@ class RayEnvironment:
             finally:
                 self._hand_back(node)
 
-    def start(self, task: Task, seed: int) -> "RayEpisode":
+    def start(self, task: Task, seed: int) -> RemoteEpisode:
+        """The episode, on one node (its `host`) until `close()`: each call goes to that node's actor."""
         node = self._take_node()
         try:
             episode_id, messages = self.call(node, "start", task, seed)
         except BaseException:
             self._hand_back(node)
             raise
-        return RayEpisode(self, node, episode_id, messages)
+        return RemoteEpisode(episode_id, messages, node, self._request, self._end)
+
+    def _request(self, node: Node, episode_id: str, op: str, *args):
+        return self.call(node, op, episode_id, *args)
+
+    def _end(self, node: Node, episode_id: str) -> None:
+        """Close the episode on its node, then free its place there; a lost node has nothing left to close."""
+        try:
+            self.call(node, "close", episode_id)
+        except EnvironmentFault as fault:
+            if fault.reason != "node_lost":
+                raise
+        finally:
+            self._hand_back(node)
 
     def _take_node(self) -> Node:
         """The live node with the fewest open episodes, once it has a free worker (counted as taken)."""
@@ -328,38 +345,3 @@ class RayEnvironment:
         if self.connected:
             self.ray.shutdown()
             self.connected = False
-
-
-class RayEpisode:
-    """One episode, on one node until `close()`: each call goes to that node's actor."""
-
-    def __init__(self, env: RayEnvironment, node: Node, episode_id: str, messages: list[dict]):
-        self.env, self.node, self.episode_id, self._messages = env, node, episode_id, messages
-
-    def _call(self, op: str, *args):
-        if self.node is None:
-            raise RuntimeError(f"episode {self.episode_id} is closed")
-        return self.env.call(self.node, op, self.episode_id, *args)
-
-    def messages(self) -> list[dict]:
-        return self._messages
-
-    def step(self, action_text: str):
-        return self._call("step", action_text)
-
-    def verdict(self):
-        return self._call("verdict")
-
-    def close(self) -> None:
-        """Hand the episode's worker back; on a lost node there is nothing left to hand back."""
-        if self.node is None:
-            return
-        node = self.node
-        try:
-            self._call("close")
-        except EnvironmentFault as fault:
-            if fault.reason != "node_lost":
-                raise
-        finally:
-            self.node = None
-            self.env._hand_back(node)

@@ -79,6 +79,7 @@ class RGymEpisode:
 
 class RGymEnvironment:
     name = "rgym"
+    max_concurrent_episodes: int | None = None  # in-process
 
     def __init__(self, **settings):
         self.settings = RGymSettings(**settings)
@@ -95,6 +96,9 @@ class RGymEnvironment:
 
     def start(self, task: Task, seed: int) -> RGymEpisode:
         return RGymEpisode(task, self.settings)
+
+    def close(self) -> None:
+        """Nothing is held between episodes."""
 
 
 ENVIRONMENT, SETTINGS = RGymEnvironment, RGymSettings

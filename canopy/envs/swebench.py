@@ -279,6 +279,7 @@ class SWEBenchEpisode:
 
 class SWEBenchEnvironment:
     name = "swebench"
+    max_concurrent_episodes: int | None = None  # in-process; a pool of them declares its workers
 
     def __init__(self, **settings):
         self.settings = SWEBenchSettings(**settings)
@@ -292,6 +293,9 @@ class SWEBenchEnvironment:
 
     def start(self, task: Task, seed: int) -> SWEBenchEpisode:
         return SWEBenchEpisode(self, task)
+
+    def close(self) -> None:
+        """Nothing is held between episodes (each episode closes its own sandbox)."""
 
 
 ENVIRONMENT, SETTINGS = SWEBenchEnvironment, SWEBenchSettings

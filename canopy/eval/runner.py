@@ -60,9 +60,7 @@ def sample_runs(
     trajectories, _ = run_episodes(engine, env, tokenizer, jobs, budget, sampling, seed=seed, description=description)
     if trajectory_log is not None:
         trajectory_log.log_step(*log_as, [trajectories[i : i + k] for i in range(0, len(trajectories), k)])
-    check_systemic_faults(
-        trajectories, max_quarantine_fraction, getattr(env, "max_concurrent_episodes", None), description
-    )
+    check_systemic_faults(trajectories, max_quarantine_fraction, env.max_concurrent_episodes, description)
     runs: dict[str, list[float]] = defaultdict(list)
     actions: dict[int, list[int]] = defaultdict(lambda: [0, 0])
     for t in trajectories:

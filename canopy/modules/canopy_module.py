@@ -2,7 +2,7 @@
 
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import lightning as L
@@ -11,8 +11,9 @@ from lightning.fabric.utilities.apply_func import move_data_to_device
 
 from canopy.coverage import AdaptiveGroupSettings
 from canopy.errors import ConfigError, is_int, require
-from canopy.mismatch import OffPolicyError, RolloutCorrection, correction_metrics, mismatch_metrics, sequence_log_ratio
+from canopy.mismatch import OffPolicyError, RolloutCorrection
 from canopy.modules.logprobs import model_token_logprobs, padded_width, sequence_inputs
+from canopy.modules.loss import Pooled, trained_loss
 from canopy.modules.parallel import (
     ParallelSettings,
     all_reduce_max,
@@ -22,12 +23,10 @@ from canopy.modules.parallel import (
     context_parallel_mesh,
     gather_on_rank0,
     gather_sequence,
-    sum_over_context,
 )
 from canopy.modules.policy import iter_hf_weights, load_policy, unwrap
-from canopy.objective import canopy_loss
-from canopy.rollout.engine import EngineHandle
-from canopy.rollout_batch import RolloutBatch
+from canopy.rollout.engine import EngineHandle, SamplingParams
+from canopy.step import RolloutBatch
 
 CP_NEEDS_GPU = (
     "parallelism.cp > 1: context parallel needs GPUs (SDPA has no CPU sharding rule); set trainer.accelerator=gpu "
@@ -69,6 +68,7 @@ class AlgorithmSettings:
             "algorithm.group_size >= 2, or auto (per-task sizes, algorithm.adaptive_group)",
         )
         self.adaptive_group.validate()
+        self.rollout_correction.validate()
         require(self.kl_coef >= 0, f"algorithm.kl_coef={self.kl_coef} must be >= 0 (0 disables the KL anchor, no_kl)")
         require(
             0 <= self.clip_low < 1 and self.clip_high >= 0,
@@ -167,33 +167,29 @@ class CanopyModule(L.LightningModule):
         self,
         model_path: str,
         *,
-        kl_coef: float = 1e-4,
-        clip_low: float = 0.2,
-        clip_high: float = 0.2,
-        loss_aggregation: str = "token-mean",
-        entropy_coef: float = 0.0,
-        minibatches_per_step: int = 1,
-        rollout_correction: RolloutCorrection | None = None,
-        lr: float = 3e-6,
-        betas: tuple[float, float] = (0.9, 0.999),
-        weight_decay: float = 0.0,
-        grad_clip: float | None = 1.0,
-        temperature: float = 1.0,
-        micro_batch_tokens: int = 16384,
-        logprob_chunk_tokens: int = 2048,
-        parallel: ParallelSettings | None = None,
+        algorithm: AlgorithmSettings,
+        optim: OptimSettings,
+        trainer: TrainerSettings,
+        sampling: SamplingParams,
+        parallel: ParallelSettings,
+        seed: int,
         engine: EngineHandle | None = None,
-        seed: int = 0,
     ):
-        """`engine` is the run's engine handle, the one the data module generates with: after every optimizer
-        step the new weights go into it (`EngineHandle.sync`), before the next rollout is generated.
-        `rollout_correction` is the opt-in engine-trainer mismatch correction (`canopy.mismatch`), off by default."""
+        """Each settings object whole, as the config composes it (`canopy.build.build_module`): `algorithm` (Eq. 8's
+        clip, KL, aggregation, entropy; the updates per batch; the opt-in rollout correction, `canopy.mismatch`),
+        `optim` (AdamW), `trainer` (micro-batch and logprob-head chunk sizes), `sampling` (the temperature the
+        engine samples at, which the trainer's logprobs match). `engine` is the run's engine handle, the one the
+        data module generates with: after every optimizer step the new weights go into it (`EngineHandle.sync`),
+        before the next rollout is generated."""
         super().__init__()
-        self.save_hyperparameters(ignore=["parallel", "engine", "rollout_correction"])
-        self.engine = engine
-        self.correction = rollout_correction or RolloutCorrection()
-        self.parallel = parallel or ParallelSettings()
-        if self.parallel.cp > 1 and loss_aggregation != "token-mean":
+        settings = {"algorithm": algorithm, "optim": optim, "trainer": trainer, "sampling": sampling}
+        self.save_hyperparameters(
+            {"model_path": model_path, "seed": seed, **{k: asdict(v) for k, v in settings.items()}}
+        )
+        self.model_path, self.seed, self.engine = model_path, seed, engine
+        self.algorithm, self.optim, self.batching, self.sampling = algorithm, optim, trainer, sampling
+        self.parallel, self.correction = parallel, algorithm.rollout_correction
+        if self.parallel.cp > 1 and algorithm.loss_aggregation != "token-mean":
             raise ConfigError(CP_SEQ_MEAN)
         self.automatic_optimization = False
         self.policy = None
@@ -205,13 +201,13 @@ class CanopyModule(L.LightningModule):
     @property
     def updates_per_batch(self) -> int:
         """Optimizer steps (Lightning global steps) per rollout batch: 1 when strictly on-policy."""
-        return self.hparams.minibatches_per_step
+        return self.algorithm.minibatches_per_step
 
     def configure_model(self) -> None:
         """Single process: plain modules. Under `ModelParallelStrategy`: policy and reference sharded alike."""
         if self.policy is not None:
             return
-        path, world = self.hparams.model_path, self.trainer.world_size if self._trainer is not None else 1
+        path, world = self.model_path, self.trainer.world_size if self._trainer is not None else 1
         if self.parallel.cp > 1 and self.device.type == "cpu":
             raise ConfigError(CP_NEEDS_GPU)
         if world > 1:
@@ -228,8 +224,8 @@ class CanopyModule(L.LightningModule):
         self.reference.requires_grad_(False).eval()
 
     def configure_optimizers(self):
-        h = self.hparams
-        return torch.optim.AdamW(self.policy.parameters(), lr=h.lr, betas=tuple(h.betas), weight_decay=h.weight_decay)
+        o = self.optim
+        return torch.optim.AdamW(self.policy.parameters(), lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay)
 
     def state_dict(self, *args, **kwargs):
         """Only the policy is checkpointed; the reference is the base checkpoint at `model_path`."""
@@ -256,13 +252,12 @@ class CanopyModule(L.LightningModule):
             self.engine.sync(self.iter_hf_weights(), self.weight_version, self.trainer.is_global_zero)
 
     def _logprobs(self, model: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        h = self.hparams
-        return model_token_logprobs(model, inputs, h.temperature, h.logprob_chunk_tokens)
+        return model_token_logprobs(model, inputs, self.sampling.temperature, self.batching.logprob_chunk_tokens)
 
     def _micro_batches(self, batch) -> list[tuple[torch.Tensor, bool]]:
         """(rows, real) groups of at most `micro_batch_tokens`. Every data-parallel shard runs as many as the
         busiest one (FSDP's collectives must pair up); the extra ones repeat a group and count for nothing."""
-        groups = batch.micro_batches(self.hparams.micro_batch_tokens)
+        groups = batch.micro_batches(self.batching.micro_batch_tokens)
         count = all_reduce_max(len(groups), self.parallel_dims)
         return [(g, True) for g in groups] + [(groups[0], False)] * (count - len(groups))
 
@@ -286,27 +281,25 @@ class CanopyModule(L.LightningModule):
         that gathers on global rank 0 only: the other ranks walk meta tensors."""
         return iter_hf_weights(self.policy, self.adapter, unwrap if self.parallel_dims is None else gather_on_rank0)
 
-    def _global_counts(self, minibatch) -> tuple[float, float]:
-        """Action tokens and sequences of this (mini)batch summed over the data-parallel shards."""
+    def _pooled(self, minibatch) -> Pooled:
+        """Eq. 8's denominators for this (mini)batch, summed over the data-parallel shards."""
         counts = {
             "tokens": float(minibatch.num_action_tokens),
             "sequences": float((minibatch.action_mask[:, 1:].sum(-1) > 0).sum()),
         }
         counts = all_reduce_sum(counts, self.parallel_dims, over="batch")
-        return counts["tokens"], counts["sequences"]
+        cp_mesh = context_parallel_mesh(self.parallel_dims)
+        share = counts["sequences"] * (1 if cp_mesh is None else cp_mesh.size())
+        return Pooled(counts["tokens"], counts["sequences"], share)
 
     def _minibatch_backward(self, batch, minibatch_indices, ref_logprobs, old_logprobs) -> dict[str, float]:
-        """Accumulate the gradient of Eq. 8 over one minibatch (rows `minibatch_indices` of `batch`), micro-batch by
-        micro-batch; returns this rank's metric partials. Each rank sums the per-token terms of its own rows and
-        positions divided by the minibatch-wide N, so FSDP's summed gradient over dp_shard x cp is Eq. 8 exactly.
-        `old_logprobs` is None when strictly on-policy (old = current, detached). The engine-trainer mismatch r =
-        log pi_old - log mu is measured on every action token and, when a correction is on, reweights S_t."""
-        h = self.hparams
+        """Accumulate the gradient of Eq. 8 (`trained_loss`) over one minibatch (rows `minibatch_indices` of
+        `batch`), micro-batch by micro-batch; returns this rank's metric partials. Each rank sums the per-token terms
+        of its own rows and positions divided by the minibatch-wide N, so FSDP's summed gradient over dp_shard x cp
+        is Eq. 8 exactly. `old_logprobs` is None when strictly on-policy (old = current, detached)."""
         cp_mesh = context_parallel_mesh(self.parallel_dims)
         minibatch = batch.select(minibatch_indices)
-        n_tokens, n_sequences = self._global_counts(minibatch)
-        # every CP rank holds each of its shard's rows, so each adds 1/cp of a sequence metric
-        sequence_share = n_sequences * (1 if cp_mesh is None else cp_mesh.size())
+        pooled = self._pooled(minibatch)
         sums: dict[str, float] = {}
         for local, real in self._micro_batches(minibatch):
             rows = minibatch_indices[local]
@@ -317,42 +310,13 @@ class CanopyModule(L.LightningModule):
                 extras["old_logprobs"] = old_logprobs[rows, :width]
             inputs = sequence_inputs(micro, cp_mesh, **extras)
             logprobs, entropy = self._logprobs(self.policy, inputs)
-            mask = inputs["action_mask"]
-            old = logprobs.detach() if old_logprobs is None else inputs["old_logprobs"]
-            log_ratio = torch.where(mask, old - inputs["engine_logprobs"], 0.0)
-            row_sums = sum_over_context(torch.stack([log_ratio.sum(-1), mask.sum(-1).to(log_ratio.dtype)]), cp_mesh)
-            sequence_ratio, has_actions = sequence_log_ratio(row_sums[0], row_sums[1])
-            pg_weights, changed = self.correction.weights(log_ratio, sequence_ratio)
-            # off the action tokens (padding included) the KL term is exactly 0, never 0 x inf
-            ref = torch.where(mask, inputs["ref_logprobs"], logprobs.detach())
-            loss, metrics = canopy_loss(
-                logprobs,
-                old,
-                ref,
-                micro.advantages,
-                mask,
-                clip_low=h.clip_low,
-                clip_high=h.clip_high,
-                kl_coef=h.kl_coef,
-                aggregation=h.loss_aggregation,
-                num_action_tokens=n_tokens,
-                num_sequences=n_sequences,
-                pg_weights=pg_weights,
+            loss, metrics = trained_loss(
+                logprobs, entropy, inputs, micro.advantages, self.algorithm, self.correction, pooled, cp_mesh
             )
-            token_entropy = (entropy * mask).sum() / max(1, n_tokens)
-            if h.entropy_coef:
-                loss = loss - h.entropy_coef * token_entropy
             self.manual_backward(loss if real else loss * 0.0)
-            if not real:
-                continue
-            metrics = {f"actor/{k}": v for k, v in metrics.items()}
-            metrics.update({"actor/loss": loss.detach(), "actor/entropy": token_entropy.detach()})
-            metrics.update(mismatch_metrics(log_ratio, mask, sequence_ratio, has_actions, n_tokens, sequence_share))
-            metrics.update(
-                correction_metrics(self.correction, pg_weights, changed, mask, has_actions, n_tokens, sequence_share)
-            )
-            for key, value in metrics.items():
-                sums[key] = sums.get(key, 0.0) + float(value)
+            if real:
+                for key, value in metrics.items():
+                    sums[key] = sums.get(key, 0.0) + float(value)
         return sums
 
     def training_step(self, dataloader_iter):
@@ -404,23 +368,23 @@ class CanopyModule(L.LightningModule):
         updates, and only it needs the behaviour policy's logprobs from a forward pass before the first one.
         Each update's reduced metrics are `update_stats` before it is applied, so that `OnPolicyAudit` can stop
         the run (in `on_before_optimizer_step`) before the weights move."""
-        h = self.hparams
+        a = self.algorithm
         old_logprobs = (
-            None if h.minibatches_per_step == 1 else self._logprobs_no_grad(self.policy, batch, micro_batches)
+            None if a.minibatches_per_step == 1 else self._logprobs_no_grad(self.policy, batch, micro_batches)
         )
         optimizer = self.optimizers()
         order = torch.randperm(
-            len(batch.lengths), generator=torch.Generator().manual_seed(h.seed + self.weight_version)
+            len(batch.lengths), generator=torch.Generator().manual_seed(self.seed + self.weight_version)
         )
         sums: dict[str, float] = {}
         grad_norms = []
-        for minibatch_indices in order.chunk(h.minibatches_per_step):
+        for minibatch_indices in order.chunk(a.minibatches_per_step):
             partials = self._minibatch_backward(batch, minibatch_indices, ref_logprobs, old_logprobs)
             self.update_stats = all_reduce_sum(partials, self.parallel_dims)
             for key, value in self.update_stats.items():
-                sums[key] = sums.get(key, 0.0) + value / h.minibatches_per_step
+                sums[key] = sums.get(key, 0.0) + value / a.minibatches_per_step
             grad_norm = torch.nn.utils.clip_grad_norm_(
-                self.policy.parameters(), h.grad_clip if h.grad_clip else float("inf")
+                self.policy.parameters(), self.optim.grad_clip if self.optim.grad_clip else float("inf")
             )
             grad_norms.append(float(unwrap(grad_norm)))
             optimizer.step()  # Lightning's LightningOptimizer: precision plugin, hooks, one global step each

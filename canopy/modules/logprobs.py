@@ -6,7 +6,7 @@ position's target log-probability and entropy at the sampling temperature from a
 import torch
 from torchtitan.distributed.context_parallel import cp_shard
 
-from canopy.rollout_batch import RolloutBatch
+from canopy.step import RolloutBatch
 
 
 def sequence_inputs(batch: RolloutBatch, cp_mesh=None, **per_token: torch.Tensor) -> dict[str, torch.Tensor]:

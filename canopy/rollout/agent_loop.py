@@ -62,7 +62,7 @@ def run_episodes(
     keys = [f"rollout{rollout}-episode{i}" for i in range(len(jobs))]
     turn_end = tokenizer.convert_tokens_to_ids(chat_markers(tokenizer).turn_end)
     trajectories = [Trajectory(task, sample_index, [], [], [], 0) for task, sample_index in jobs]
-    pooled = getattr(env, "max_concurrent_episodes", None)
+    pooled = env.max_concurrent_episodes
     limit = max(1, min(concurrency or pooled or len(jobs), len(jobs)))
     progress = tqdm(total=len(jobs), desc=description, unit="ep", leave=False, dynamic_ncols=True,
                     disable=not interactive())  # fmt: skip

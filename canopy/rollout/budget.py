@@ -21,7 +21,7 @@ class Budget:
     @classmethod
     def of(cls, budget) -> "Budget":
         """From the `budget` config group (its other keys, such as its name, are not the episode's)."""
-        return cls(**{key.name: budget[key.name] for key in fields(cls)})
+        return cls(**{key.name: getattr(budget, key.name) for key in fields(cls)})
 
 
 @dataclass

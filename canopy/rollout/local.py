@@ -107,6 +107,9 @@ class LocalEngine:
     prefills its whole history again, as it would without sessions. `counters` count what was prefilled and decoded.
     """
 
+    weight_version: int
+    dtype: str
+    counters: Counter  # prefill_tokens, decode_tokens, session_hits, session_misses, sessions_over_cap
     concurrent = False  # a batch at a time: the agent loop gathers the episodes' requests
     can_relaunch = False  # no servers: `at_budget` serves every budget in-process
 

@@ -106,18 +106,18 @@ def measure_training_step(
     working set measured alone; `peak` for a whole steady-state step (the second: AdamW's moments exist); and
     `step seconds`, the median of `repeats` steady-state steps. `autocast` runs the steps' compute in that dtype
     over float32 weights (the plan's single process computes in float32)."""
-    from canopy.modules.canopy_module import CanopyModule
+    from canopy.build import build_module
+    from canopy.config import compose_config
     from canopy.modules.logprobs import model_token_logprobs, sequence_inputs
     from canopy.modules.parallel import apply_activation_checkpointing
-    from canopy.rollout_batch import RolloutBatch
+    from canopy.step import RolloutBatch
 
     torch.manual_seed(seed)
-    module = CanopyModule(
-        "unused",
-        kl_coef=0.1,
-        micro_batch_tokens=layout.micro_batch_tokens,
-        logprob_chunk_tokens=layout.logprob_chunk_tokens,
-    )
+    cfg = compose_config(
+        ["algorithm.kl_coef=0.1", f"trainer.micro_batch_tokens={layout.micro_batch_tokens}",
+         f"trainer.logprob_chunk_tokens={layout.logprob_chunk_tokens}"]
+    )  # fmt: skip
+    module = build_module(cfg, "unused")
     module.policy = apply_activation_checkpointing(_random_model(hf, device), layout.activation_checkpointing)
     module.reference = _random_model(hf, device).requires_grad_(False).eval()
     module.manual_backward = lambda loss: loss.backward()

@@ -31,6 +31,7 @@ class HTTPEngine:
     """Generates over the servers of `fleet`; weights pushed after every step by `weight_sync`, each sample checked
     for the current version. A backend's engine builds the three parts and hands them over."""
 
+    dtype: str
     concurrent = True  # serves each episode's request as it comes (`run_episodes` sends them one by one)
     counters: Mapping[str, int] = MappingProxyType({})  # what the servers compute is counted by them, not here
 
