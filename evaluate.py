@@ -27,7 +27,7 @@ from canopy.eval.pilot import format_pilot, pilot_report
 from canopy.eval.runner import budget_label, checkpoint_weights, evaluation, sample_runs, write_results
 from canopy.reports.plots import plot_budget_transfer, plot_coverage
 from canopy.reports.viewer import build_viewer
-from canopy.rollout.agent_loop import Budget
+from canopy.rollout.budget import Budget
 from canopy.rollout.engine import SamplingParams
 
 

@@ -32,18 +32,24 @@ sys.path.insert(0, str(ROOT))
 
 from canopy.build import build_env, build_tokenizer, ensure_model  # noqa: E402
 from canopy.config import validate  # noqa: E402
-from canopy.rollout.agent_loop import Budget, run_episodes  # noqa: E402
-from canopy.rollout.engine import LocalEngine, SamplingParams  # noqa: E402
+from canopy.rollout.agent_loop import run_episodes  # noqa: E402
+from canopy.rollout.budget import Budget  # noqa: E402
+from canopy.rollout.engine import SamplingParams  # noqa: E402
+from canopy.rollout.local import LocalEngine  # noqa: E402
 from canopy.tools.memory_plan import compose_config  # noqa: E402
 
 
 class Baseline:
     """The engine at a git revision, under today's contract (it keeps nothing between turns)."""
 
+    concurrent = False  # a batch at a time, as `run_episodes` reads it
+
     def __init__(self, rev: str, *args):
-        source = subprocess.check_output(["git", "show", f"{rev}:canopy/rollout/engine.py"], cwd=ROOT, text=True)
+        listed = subprocess.check_output(["git", "ls-tree", "--name-only", rev, "canopy/rollout/"], cwd=ROOT, text=True)
+        path = "canopy/rollout/local.py" if "canopy/rollout/local.py" in listed.split() else "canopy/rollout/engine.py"
+        source = subprocess.check_output(["git", "show", f"{rev}:{path}"], cwd=ROOT, text=True)
         module = types.ModuleType(f"engine_at_{rev}")
-        exec(compile(source, f"{rev}:canopy/rollout/engine.py", "exec"), module.__dict__)
+        exec(compile(source, f"{rev}:{path}", "exec"), module.__dict__)
         self.engine = module.LocalEngine(*args)
         self.model, self.generator, self.weight_version = self.engine.model, self.engine.generator, 0
 

@@ -24,9 +24,11 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 from fake_sglang import FakeSGLang  # noqa: E402
+from scripted import FakeEngine  # noqa: E402
 
 from canopy.envs.base import StepResult, Task, Verdict  # noqa: E402
-from canopy.rollout.agent_loop import Budget, run_episodes  # noqa: E402
+from canopy.rollout.agent_loop import run_episodes  # noqa: E402
+from canopy.rollout.budget import Budget  # noqa: E402
 from canopy.rollout.engine import SamplingParams  # noqa: E402
 from canopy.rollout.sglang import SGLangEngine, SGLangSettings  # noqa: E402
 from canopy.tiny_model import build_byte_tokenizer, build_tiny_checkpoint  # noqa: E402
@@ -65,7 +67,7 @@ class Environment:
         pass
 
 
-class BarrierEngine:
+class BarrierEngine(FakeEngine):
     """The old loop: the engine takes a batch at a time, so every live episode's turn waits for the slowest one."""
 
     concurrent = False

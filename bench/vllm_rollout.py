@@ -27,8 +27,10 @@ sys.path.insert(0, str(ROOT))
 
 from canopy.build import build_env, build_tokenizer, ensure_model  # noqa: E402
 from canopy.config import validate  # noqa: E402
-from canopy.rollout.agent_loop import Budget, run_episodes  # noqa: E402
-from canopy.rollout.engine import LocalEngine, SamplingParams  # noqa: E402
+from canopy.rollout.agent_loop import run_episodes  # noqa: E402
+from canopy.rollout.budget import Budget  # noqa: E402
+from canopy.rollout.engine import SamplingParams  # noqa: E402
+from canopy.rollout.local import LocalEngine  # noqa: E402
 from canopy.rollout.vllm import VLLMEngine, VLLMSettings  # noqa: E402
 from canopy.tools.memory_plan import compose_config  # noqa: E402
 

@@ -13,8 +13,9 @@ from canopy.envs.pool import EnvironmentPool, PoolSettings
 from canopy.envs.worker import build_environment
 from canopy.models import get_family
 from canopy.modules.canopy_module import CanopyModule
-from canopy.rollout.agent_loop import ChatTokenizer
-from canopy.rollout.engine import EngineHandle, LocalEngine
+from canopy.rollout.chat import ChatTokenizer
+from canopy.rollout.engine import EngineHandle
+from canopy.rollout.local import LocalEngine
 from canopy.rollout.settings import EngineSettings
 from canopy.rollout.sglang import SGLangEngine
 from canopy.rollout.vllm import VLLMEngine

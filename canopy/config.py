@@ -34,7 +34,7 @@ from canopy.modules.canopy_module import (  # the module checks CP_* again
 from canopy.modules.checkpoint import checkpoint_kind
 from canopy.modules.parallel import ParallelSettings
 from canopy.reports.summary import ReportSettings
-from canopy.rollout.agent_loop import BudgetSettings
+from canopy.rollout.budget import BudgetSettings
 from canopy.rollout.engine import SamplingParams
 from canopy.rollout.settings import EngineSettings, LocalEngineSettings
 from canopy.rollout.sglang.settings import SGLangSettings

@@ -12,7 +12,7 @@ import torch
 from canopy.coverage import AdaptiveGroupSettings, SuccessEstimates, allocate_rollouts, group_composition
 from canopy.envs.base import Task
 from canopy.objective import step_advantages
-from canopy.rollout.agent_loop import Trajectory, invalid_action_fracs
+from canopy.rollout.trajectory import Trajectory, invalid_action_fracs
 
 COMPOSITIONS = ("all_fail", "all_success", "mixed")  # Fig. 3
 

@@ -88,7 +88,7 @@ def random_command_transcripts(
 ) -> list[tuple[list[int], list[int]]]:
     """(token ids, action mask) of vault-world episodes played by a uniformly random command policy that
     sometimes adds or substitutes a stray word, so the base model keeps some off-format exploration."""
-    from canopy.rollout.agent_loop import render_observation, render_prompt
+    from canopy.rollout.chat import render_observation, render_prompt
 
     rng = random.Random(seed)
     env = EmbeddedEnvironment(declare_done=declare_done)

@@ -36,7 +36,7 @@ from canopy.coverage import group_composition
 from canopy.errors import ConfigError, is_int
 
 if TYPE_CHECKING:
-    from canopy.rollout.agent_loop import Trajectory
+    from canopy.rollout.trajectory import Trajectory
 
 META = "meta.json"  # the tokenizer's path (for `replay`), written once per log folder
 INDEX = "index.jsonl"  # per stream: one summary line per logged step (the viewer's curves)

@@ -106,6 +106,8 @@ def run_worker(args) -> None:
     class WalkWeights:
         """Stands in for the engine: takes the weights (walks the stream), keeps nothing."""
 
+        dtype = "bfloat16"  # what `EngineHandle` reads (no on-policy audit here)
+
         def update_weights(self, named_tensors, version):
             for _ in named_tensors:
                 pass

@@ -17,8 +17,9 @@ from canopy.envs.base import StepResult, Task, Verdict
 from canopy.envs.embedded import EmbeddedEnvironment
 from canopy.envs.pool import PoolSettings
 from canopy.objective import step_advantages
-from canopy.rollout.agent_loop import Budget, Trajectory
+from canopy.rollout.budget import Budget
 from canopy.rollout.engine import SamplingParams
+from canopy.rollout.trajectory import Trajectory
 from tests import settings
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -10,7 +10,7 @@ from canopy.config import compose_config
 from canopy.datamodules.rollout import RolloutDataModule
 from canopy.modules.canopy_module import CanopyModule
 from canopy.modules.parallel import ParallelSettings
-from canopy.rollout.agent_loop import Budget, BudgetSettings
+from canopy.rollout.budget import Budget, BudgetSettings
 
 
 @functools.cache

@@ -2,7 +2,9 @@ import pytest
 
 from canopy.envs.base import AgentFailure, EnvironmentFault, StepResult, Task, Verdict
 from canopy.envs.embedded import EmbeddedEnvironment
-from canopy.rollout.agent_loop import Budget, ChatTokenizer, render_observation, render_prompt, run_episodes
+from canopy.rollout.agent_loop import run_episodes
+from canopy.rollout.budget import Budget
+from canopy.rollout.chat import ChatTokenizer, render_observation, render_prompt
 from canopy.rollout.engine import SamplingParams
 from tests.scripted import ScriptedEngine
 

@@ -16,10 +16,12 @@ from canopy.envs.appworld import AppWorldEnvironment
 from canopy.envs.base import AgentFailure, EnvironmentFault, SystemicFaultError, Verdict
 from canopy.envs.pool import EnvironmentPool
 from canopy.eval.metrics import summarize
-from canopy.rollout.agent_loop import Budget, run_episodes
+from canopy.rollout.agent_loop import run_episodes
+from canopy.rollout.budget import Budget
 from canopy.rollout.engine import Generation, SamplingParams
 from canopy.tiny_model import build_byte_tokenizer
 from tests.helpers import APPWORLD_PYTHON, APPWORLD_SETTINGS, APPWORLD_SYNTHETIC_DATA, ROOT, code
+from tests.scripted import FakeEngine
 
 pytestmark = pytest.mark.skipif(not APPWORLD_PYTHON.is_file(), reason="AppWorld's venv is missing: run `make appworld`")
 BUDGET = Budget(
@@ -47,15 +49,12 @@ def pool(env_kwargs):
     pool.close()
 
 
-class ScriptEngine:
+class ScriptEngine(FakeEngine):
     """Replies by task (found by its instruction in the prompt) and by the episode's own turn."""
 
     def __init__(self, tokenizer, scripts: dict[str, list[str]]):
         self.tokenizer, self.scripts = tokenizer, scripts
         self.im_start, self.im_end = (tokenizer.convert_tokens_to_ids(t) for t in ("<|im_start|>", "<|im_end|>"))
-
-    def release(self, keys):
-        """Nothing is kept between turns."""
 
     def generate(self, prompts, max_new_tokens, sampling, keys=None):
         out = []

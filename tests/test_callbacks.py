@@ -28,7 +28,7 @@ from canopy.envs.embedded import EmbeddedEnvironment
 from canopy.errors import ConfigError
 from canopy.mismatch import OffPolicyError
 from canopy.reports.tb_scalars import read_scalars
-from canopy.rollout.engine import LocalEngine
+from canopy.rollout.local import LocalEngine
 from canopy.step import StepStats, same_task_groups
 from canopy.trajectories import Sampling, TrajectoryLog, read_step
 from tests.helpers import config, trajectory

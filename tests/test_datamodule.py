@@ -6,7 +6,7 @@ import torch
 from canopy.coverage import AdaptiveGroupSettings, signal_coverage
 from canopy.envs.base import Task
 from canopy.envs.embedded import EmbeddedEnvironment
-from canopy.rollout.engine import LocalEngine
+from canopy.rollout.local import LocalEngine
 from canopy.step import AdaptiveGroups, Group, StepStats, pack, same_task_groups, score_groups
 from tests.helpers import datamodule, group_advantages, trajectory
 from tests.scripted import ScriptedEngine

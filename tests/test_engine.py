@@ -2,7 +2,8 @@ import pytest
 import torch
 
 from canopy.modules.policy import export_hf_state_dict, load_policy
-from canopy.rollout.engine import LocalEngine, SamplingParams, filter_logits
+from canopy.rollout.engine import SamplingParams
+from canopy.rollout.local import LocalEngine, filter_logits
 
 
 def engine_for(tiny_path, tokenizer, seed=0):

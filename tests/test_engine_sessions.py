@@ -7,8 +7,10 @@ import torch
 
 from canopy.envs.embedded import EmbeddedEnvironment
 from canopy.modules.policy import export_hf_state_dict, load_policy
-from canopy.rollout.agent_loop import Budget, run_episodes
-from canopy.rollout.engine import LocalEngine, SamplingParams
+from canopy.rollout.agent_loop import run_episodes
+from canopy.rollout.budget import Budget
+from canopy.rollout.engine import SamplingParams
+from canopy.rollout.local import LocalEngine
 from canopy.tiny_model import build_tiny_checkpoint
 
 SAMPLING = SamplingParams(temperature=0.8)

@@ -160,7 +160,7 @@ def test_closing_appworld_stops_its_server_and_grader_until_the_next_episode():
 
 def test_the_data_module_closes_the_environment_at_teardown():
     """Every environment is closed at teardown: an in-process one too (it used to be probed for `close`)."""
-    from canopy.rollout.agent_loop import Budget
+    from canopy.rollout.budget import Budget
     from tests import settings
 
     class Counted(EmbeddedEnvironment):

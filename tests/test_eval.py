@@ -27,8 +27,10 @@ from canopy.eval.runner import (
 )
 from canopy.modules.policy import load_policy
 from canopy.reports.summary import write_summary
-from canopy.rollout.agent_loop import Budget, invalid_action_fracs
-from canopy.rollout.engine import LocalEngine, SamplingParams
+from canopy.rollout.budget import Budget
+from canopy.rollout.engine import SamplingParams
+from canopy.rollout.local import LocalEngine
+from canopy.rollout.trajectory import invalid_action_fracs
 from canopy.trajectories import read_step
 from tests.scripted import ScriptedEngine
 

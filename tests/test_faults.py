@@ -9,9 +9,11 @@ import pytest
 from canopy.envs.base import EnvironmentFault, SystemicFaultError, Task, Verdict
 from canopy.envs.pool import EnvironmentPool, PoolSettings
 from canopy.eval.runner import sample_runs
-from canopy.rollout.agent_loop import Budget, Trajectory, run_episodes
+from canopy.rollout.agent_loop import run_episodes
+from canopy.rollout.budget import Budget
 from canopy.rollout.engine import EngineFault, SamplingParams
 from canopy.rollout.faults import check_systemic_faults
+from canopy.rollout.trajectory import Trajectory
 from tests.faulty_envs import FailingEnvironment
 from tests.helpers import datamodule
 from tests.scripted import ScriptedEngine

@@ -12,8 +12,9 @@ from canopy.callbacks import OnPolicyAudit
 from canopy.envs.embedded import EmbeddedEnvironment
 from canopy.mismatch import OffPolicyError, RolloutCorrection
 from canopy.modules.policy import export_hf_state_dict, load_policy
-from canopy.rollout.agent_loop import Budget
-from canopy.rollout.engine import LocalEngine, SamplingParams
+from canopy.rollout.budget import Budget
+from canopy.rollout.engine import SamplingParams
+from canopy.rollout.local import LocalEngine
 from tests import settings
 
 BUDGET = Budget(

@@ -16,7 +16,8 @@ from omegaconf import OmegaConf
 from canopy.envs import available, environment_kwargs, environment_module
 from canopy.envs.base import Verdict
 from canopy.errors import ConfigError
-from canopy.rollout.agent_loop import Budget, run_episodes
+from canopy.rollout.agent_loop import run_episodes
+from canopy.rollout.budget import Budget
 from canopy.rollout.engine import SamplingParams
 from canopy.tiny_model import build_byte_tokenizer, build_tokenizer
 from canopy.trajectories import read_step

@@ -15,6 +15,7 @@ from canopy.modules.policy import read_hf_weights
 from canopy.reports.tb_scalars import read_scalars
 from tests.helpers import datamodule, train, train_args
 from tests.parallel_worker import free_port, run_ranks
+from tests.scripted import FakeEngine
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMON = ("report.eval_samples_per_task=0", "checkpoint.every_n_steps=0")  # the runs compared with one process
@@ -164,7 +165,7 @@ def test_only_global_rank_zero_builds_the_engine(tokenizer):
     weight syncs and checkpoint state without ever building one."""
     built = []
 
-    class Engine:
+    class Engine(FakeEngine):
         def __init__(self):
             built.append(self)
             self.generator, self.version = torch.Generator().manual_seed(0), 0
@@ -172,6 +173,12 @@ def test_only_global_rank_zero_builds_the_engine(tokenizer):
         def update_weights(self, named_tensors, version):
             list(named_tensors)
             self.version = version
+
+        def rng_state(self):
+            return self.generator.get_state()
+
+        def load_rng_state(self, state):
+            self.generator.set_state(state)
 
     weights = [("w", torch.zeros(1))]
     other, zero = datamodule(tokenizer, Engine), datamodule(tokenizer, Engine)  # the class is the builder

@@ -16,7 +16,8 @@ from canopy.envs import sandbox
 from canopy.envs.base import AgentFailure, EnvironmentFault, SystemicFaultError, Verdict
 from canopy.envs.embedded import EmbeddedEnvironment
 from canopy.envs.pool import EnvironmentPool, PoolSettings
-from canopy.rollout.agent_loop import Budget, run_episodes
+from canopy.rollout.agent_loop import run_episodes
+from canopy.rollout.budget import Budget
 from canopy.rollout.engine import SamplingParams
 from tests.scripted import ScriptedEngine
 

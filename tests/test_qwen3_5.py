@@ -91,7 +91,8 @@ def test_local_engine_samples_qwen3_5_with_the_trainers_logprobs(qwen3_5_path):
     scores its tokens as the trainer's full forward does, before and after a weight sync."""
     from transformers import AutoTokenizer
 
-    from canopy.rollout.engine import LocalEngine, SamplingParams
+    from canopy.rollout.engine import SamplingParams
+    from canopy.rollout.local import LocalEngine
 
     tokenizer = AutoTokenizer.from_pretrained(qwen3_5_path)
     engine = LocalEngine(qwen3_5_path, [tokenizer.convert_tokens_to_ids("<|im_end|>")], tokenizer.pad_token_id, seed=3)

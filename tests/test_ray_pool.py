@@ -20,7 +20,8 @@ from canopy.envs.pool import EnvironmentPool, PoolSettings
 from canopy.envs.ray_pool import RayEnvironment
 from canopy.errors import ConfigError
 from canopy.reports.tb_scalars import read_scalars
-from canopy.rollout.agent_loop import Budget, run_episodes
+from canopy.rollout.agent_loop import run_episodes
+from canopy.rollout.budget import Budget
 from canopy.rollout.engine import SamplingParams
 from tests.helpers import train
 from tests.scripted import ScriptedEngine

@@ -10,10 +10,12 @@ import pytest
 from fake_sglang import FakeGateway, FakeSGLang
 
 from canopy.envs.base import Task, Verdict
-from canopy.rollout.agent_loop import Budget, run_episodes
+from canopy.rollout.agent_loop import run_episodes
+from canopy.rollout.budget import Budget
 from canopy.rollout.engine import SamplingParams
 from canopy.tiny_model import build_byte_tokenizer
 from tests.helpers import CountdownEnvironment, sglang_engine_for, tiny_weights
+from tests.scripted import RecordingEngine
 
 BUDGET = Budget(max_turns=20, max_response_tokens=400, max_prompt_tokens=128, max_observation_tokens=16,
                 max_context_tokens=2048)  # fmt: skip
@@ -114,23 +116,6 @@ def test_requests_failing_everywhere_quarantine_their_episodes_and_are_counted(t
     assert [t.quarantine for t in trajectories] == ["engine_request_failed"] * 3
     assert engine.router.counts["ejections"] == 1
     engine.close()
-
-
-class RecordingEngine:
-    """A batch-at-a-time engine (as the local one) that records which episodes each call served."""
-
-    def __init__(self, tokenizer):
-        self.tokenizer, self.weight_version, self.batches = tokenizer, 0, []
-        self.reply = tokenizer.encode("go", add_special_tokens=False) + [tokenizer.convert_tokens_to_ids("<|im_end|>")]
-
-    def release(self, keys):
-        """Nothing is kept between turns."""
-
-    def generate(self, prompts, max_new_tokens, sampling, keys=None):
-        self.batches.append([self.tokenizer.decode(p).split("episode ")[1].split("<")[0] for p in prompts])
-        from canopy.rollout.engine import Generation
-
-        return [Generation(list(self.reply), [-0.1] * len(self.reply), "stop", 0) for _ in prompts]
 
 
 def test_an_in_process_environment_gathers_every_live_episode_per_batch_in_job_order():

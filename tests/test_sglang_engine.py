@@ -21,7 +21,9 @@ from canopy.config import validate
 from canopy.envs.base import Task
 from canopy.envs.embedded import EmbeddedEnvironment
 from canopy.errors import ConfigError
-from canopy.rollout.agent_loop import Budget, render_prompt, run_episodes
+from canopy.rollout.agent_loop import run_episodes
+from canopy.rollout.budget import Budget
+from canopy.rollout.chat import render_prompt
 from canopy.rollout.engine import EngineFault, SamplingParams
 from canopy.rollout.http.client import client_host
 from canopy.rollout.sglang import SGLangEngine, SGLangSettings, StaleSampleError, serving_dtype

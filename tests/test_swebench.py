@@ -27,8 +27,10 @@ from canopy.envs.pool import EnvironmentPool, PoolSettings
 from canopy.envs.swe_grading import grade
 from canopy.envs.swebench import SWEBenchEnvironment, SWEBenchEpisode, SWEBenchSettings, harness, instance_task
 from canopy.errors import ConfigError
-from canopy.rollout.agent_loop import Budget, Trajectory, run_episodes
+from canopy.rollout.agent_loop import run_episodes
+from canopy.rollout.budget import Budget
 from canopy.rollout.engine import Generation, SamplingParams
+from canopy.rollout.trajectory import Trajectory
 from canopy.step import StepStats, same_task_groups
 from canopy.tiny_model import build_byte_tokenizer
 from canopy.tools.swe_attacks import HOOK, new_file
@@ -36,6 +38,7 @@ from canopy.tools.swe_data.cache_images import cache_images
 from canopy.tools.swe_data.convert import convert_rebench, convert_verified
 from canopy.tools.swe_data.generate import TEST_CMD, build_container_images, generate
 from canopy.tools.swe_data.instances import read_jsonl, write_jsonl
+from tests.scripted import FakeEngine
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="needs bubblewrap (make system)")
@@ -102,16 +105,13 @@ def settings(generated, **overrides) -> dict:
     }
 
 
-class TaskScriptedEngine:
+class TaskScriptedEngine(FakeEngine):
     """Replies by task: the package named in the prompt (`toolkitN`, or the broken instance's tag) picks a script,
     and the number of assistant turns so far picks its reply (the last repeats)."""
 
     def __init__(self, tokenizer, scripts: dict[str, list[str]]):
         self.tokenizer, self.scripts, self.weight_version, self.dtype = tokenizer, scripts, 0, "float32"
         self.im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
-
-    def release(self, keys):
-        """Nothing is kept between turns."""
 
     def generate(self, prompts, max_new_tokens, sampling, keys=None):
         out = []

@@ -19,7 +19,8 @@ from vllm_servers import STOPS, build_servable_tiny, free_base_port, metric, ref
 
 from canopy.envs.base import Task
 from canopy.envs.embedded import VOCABULARY
-from canopy.rollout.agent_loop import Budget, run_episodes
+from canopy.rollout.agent_loop import run_episodes
+from canopy.rollout.budget import Budget
 from canopy.rollout.engine import SamplingParams
 from canopy.rollout.http.client import request
 from canopy.rollout.vllm import VLLMEngine, VLLMSettings

@@ -11,7 +11,7 @@ from omegaconf import DictConfig, OmegaConf
 from canopy.eval.runner import budget_label, evaluation, sample_runs, with_budget, write_results
 from canopy.modules.parallel import alone_on_rank0
 from canopy.reports.plots import plot_budget_transfer
-from canopy.rollout.agent_loop import Budget
+from canopy.rollout.budget import Budget
 from canopy.rollout.engine import SamplingParams
 
 
@@ -72,14 +72,14 @@ class BudgetTransferEval(L.Callback):
             engine = dm.engine.at_budget(cfg.budget.max_context_tokens, _rope(cfg))
             if engine is not None:
                 results.append(self._run(engine, dm, tasks, role, cfg, pl_module.weight_version))
-            elif final and getattr(dm.engine, "can_relaunch", False):
+            elif final and dm.engine.can_relaunch:
                 with dm.engine.relaunched(cfg.budget.max_context_tokens, _rope(cfg)) as engine:
                     engine.update_weights(weights.items(), pl_module.weight_version)
                     results.append(self._run(engine, dm, tasks, role, cfg, pl_module.weight_version))
                 dm.engine.update_weights(weights.items(), pl_module.weight_version)
             elif role not in self.skipped:
                 self.skipped.add(role)
-                relaunchable = getattr(dm.engine, "can_relaunch", False)
+                relaunchable = dm.engine.can_relaunch
                 when = "at the end of training" if not final and relaunchable else "by evaluate.py"
                 warnings.warn(
                     f"budget transfer: the engine's servers run the training budget, so the "
@@ -102,8 +102,7 @@ class BudgetTransferEval(L.Callback):
             return False
         engine = trainer.datamodule.engine
         return any(
-            engine.at_budget(cfg.budget.max_context_tokens, _rope(cfg)) is None
-            and getattr(engine, "can_relaunch", False)
+            engine.at_budget(cfg.budget.max_context_tokens, _rope(cfg)) is None and engine.can_relaunch
             for cfg in self.configs.values()
         )
 

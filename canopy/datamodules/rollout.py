@@ -21,9 +21,11 @@ from canopy.envs.base import Environment, SystemicFaultError, Task
 from canopy.errors import RunStopped, require
 from canopy.modules.canopy_module import AlgorithmSettings
 from canopy.modules.parallel import alone_on_rank0, data_parallel_rank
-from canopy.rollout.agent_loop import Budget, BudgetSettings, Trajectory, run_episodes
+from canopy.rollout.agent_loop import run_episodes
+from canopy.rollout.budget import Budget, BudgetSettings
 from canopy.rollout.engine import EngineHandle, SamplingParams
 from canopy.rollout.faults import check_systemic_faults
+from canopy.rollout.trajectory import Trajectory
 from canopy.step import AdaptiveGroups, RolloutBatch, StepStats, pack, same_task_groups, score_groups
 
 
@@ -211,9 +213,9 @@ class RolloutDataModule(L.LightningDataModule):
         state = {"sampler": dict(self.sampler_state), "step": self.step}
         if isinstance(self.group_size, AdaptiveGroups):
             state["success_estimates"] = self.group_size.estimates.state_dict()
-        generator = getattr(self.engine, "generator", None) if self.generates else None
-        if generator is not None:
-            state["engine_rng"] = generator.get_state()
+        rng = self.engine.rng_state() if self.generates else None
+        if rng is not None:
+            state["engine_rng"] = rng
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -221,7 +223,7 @@ class RolloutDataModule(L.LightningDataModule):
         if "success_estimates" in state and isinstance(self.group_size, AdaptiveGroups):
             self.group_size.estimates.load_state_dict(state["success_estimates"])
         if "engine_rng" in state and self.generates:
-            self.engine.generator.set_state(state["engine_rng"])
+            self.engine.load_rng_state(state["engine_rng"])
 
     def sample_tasks(self) -> list[Task]:
         """Walk a seeded shuffle of the pool epoch by epoch, as a dataloader over tasks would."""
@@ -244,7 +246,7 @@ class RolloutDataModule(L.LightningDataModule):
         adaptive = isinstance(self.group_size, AdaptiveGroups)
         sizes = self.group_size.sizes(tasks) if adaptive else [self.group_size] * len(tasks)
         jobs = [(task, i) for task, n in zip(tasks, sizes) for i in range(n)]
-        counted = Counter(getattr(self.engine, "counters", {}))  # the local engine's prefill / decode / session counts
+        counted = Counter(self.engine.counters)  # the local engine's prefill / decode / session counts
         trajectories, timings = run_episodes(
             self.engine,
             self.env,
@@ -276,7 +278,7 @@ class RolloutDataModule(L.LightningDataModule):
         batch = pack(survivors, advantages, self.tokenizer.pad_token_id)
         batch.metrics, batch.stats = dict(stats.metrics), stats
         batch.metrics.update({f"time/{k}": v for k, v in timings.items()})
-        counts = Counter(getattr(self.engine, "counters", {}))
+        counts = Counter(self.engine.counters)
         batch.metrics.update({f"engine/{k}": counts[k] - counted[k] for k in counts})
         self.check_readable(trajectories, batch.metrics)
         self.step += 1

@@ -14,8 +14,9 @@ from canopy.errors import require
 from canopy.eval.metrics import by_scenario, summarize
 from canopy.modules.checkpoint import checkpoint_kind
 from canopy.modules.policy import iter_hf_weights, load_policy
-from canopy.rollout.agent_loop import invalid_action_fracs, run_episodes
+from canopy.rollout.agent_loop import run_episodes
 from canopy.rollout.faults import check_systemic_faults
+from canopy.rollout.trajectory import invalid_action_fracs
 
 
 def with_budget(cfg: DictConfig, budget_cfg: DictConfig) -> DictConfig:

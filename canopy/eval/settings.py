@@ -3,7 +3,7 @@
 from dataclasses import dataclass
 
 from canopy.errors import require
-from canopy.rollout.agent_loop import BudgetSettings
+from canopy.rollout.budget import BudgetSettings
 from canopy.rollout.engine import SamplingParams
 
 

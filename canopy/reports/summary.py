@@ -10,7 +10,7 @@ from canopy.errors import require
 from canopy.eval.metrics import summarize
 from canopy.eval.runner import sample_runs
 from canopy.modules.parallel import alone_on_rank0
-from canopy.rollout.agent_loop import invalid_action_fracs
+from canopy.rollout.trajectory import invalid_action_fracs
 
 
 def training_task_report(datamodule, samples_per_task: int, description: str) -> dict[str, dict[str, float]]:

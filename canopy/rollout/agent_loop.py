@@ -3,150 +3,26 @@
 Each episode's sequence is built from ids only: the rendered prompt (mask 0), then per turn the ids the
 engine generated (mask 1, stop token included) and the rendered observation (mask 0). The past is never
 re-tokenized, so the trainer scores exactly the tokens the engine sampled. Each episode runs its own
-generate -> step loop (`run_episodes`), so environment steps overlap generation.
+generate -> step loop (`run_episodes`), so environment steps overlap generation. The pieces it uses: the episode's
+`Budget` (`budget`), the chat rendering (`chat`) and the finished `Trajectory` (`trajectory`).
 """
 
-import functools
 import itertools
 import sys
 import threading
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, fields
-from typing import Any
 
 from tqdm.auto import tqdm
 
-from canopy.envs.base import AgentFailure, Environment, EnvironmentFault, Episode, Task, Verdict
-from canopy.errors import require
-from canopy.models import DEFAULT_FAMILY, MODEL_FAMILIES
-from canopy.models.spec import ChatMarkers
-from canopy.rollout.engine import EngineFault, SamplingParams
+from canopy.envs.base import AgentFailure, Environment, EnvironmentFault, Episode, Task
+from canopy.rollout.budget import Budget
+from canopy.rollout.chat import chat_markers, render_observation, render_prompt
+from canopy.rollout.engine import Engine, EngineFault, SamplingParams
+from canopy.rollout.trajectory import Trajectory
 
 _rollouts = itertools.count()  # numbers each rollout, so that episode keys never repeat in a process
-
-
-@dataclass(frozen=True)
-class Budget:
-    """Interaction budget of one episode (Tables A1/A3; `per_turn_generation_cap=None` means uncapped)."""
-
-    max_turns: int
-    max_response_tokens: int
-    max_prompt_tokens: int
-    max_observation_tokens: int
-    max_context_tokens: int
-    per_turn_generation_cap: int | None = None
-
-    @classmethod
-    def of(cls, budget) -> "Budget":
-        """From the `budget` config group (its other keys, such as its name, are not the episode's)."""
-        return cls(**{key.name: getattr(budget, key.name) for key in fields(cls)})
-
-
-@dataclass
-class BudgetSettings:
-    """A `budget` config group (conf/budget/*.yaml, each a whole budget of Table 2 / A3): the schema. The episode
-    reads its `Budget`; `rope_scaling` is the engine's (the enlarged budget's YaRN)."""
-
-    name: str
-    max_turns: int
-    max_response_tokens: int
-    max_prompt_tokens: int
-    max_observation_tokens: int
-    max_context_tokens: int
-    per_turn_generation_cap: int | None  # null: uncapped
-    rope_scaling: dict[str, Any] | None
-
-    def validate(self, key: str = "budget") -> None:
-        for name in ("max_turns", "max_response_tokens", "max_prompt_tokens", "max_observation_tokens"):
-            require(getattr(self, name) >= 1, f"{key}.{name}={getattr(self, name)} must be a positive integer")
-        require(
-            self.per_turn_generation_cap is None or self.per_turn_generation_cap >= 1,
-            f"{key}.per_turn_generation_cap={self.per_turn_generation_cap} must be null (uncapped) or a positive "
-            "integer",
-        )
-        require(
-            self.max_prompt_tokens < self.max_context_tokens,
-            f"{key}.max_prompt_tokens={self.max_prompt_tokens} must be below "
-            f"{key}.max_context_tokens={self.max_context_tokens}",
-        )
-
-    def check_context(self, native: int, key: str = "budget") -> None:
-        """The context fits the model's `native` positions, or the budget's RoPE scaling (YaRN) stretches that
-        model's positions to cover it: a budget past what the model was built for is refused, never run."""
-        context, scaling = self.max_context_tokens, self.rope_scaling
-        group = "budget" if key == "budget" else f"budget@{key.removesuffix('.budget')}"  # its config group
-        if scaling is None:
-            require(
-                context <= native,
-                f"{key}={self.name} asks for a {context:,}-token context, past the model's {native:,} positions: pick "
-                f"a budget within them (the embedded model's enlarged one is {group}=embedded_enlarged), or one whose "
-                "rope_scaling (YaRN) covers it, as conf/budget/enlarged.yaml has",
-            )
-            return
-        original, factor = scaling.get("original_max_position_embeddings", native), scaling.get("factor", 1.0)
-        require(
-            original == native,
-            f"{key}={self.name}'s rope_scaling stretches {original:,} positions, but the model has {native:,}: it was "
-            f"written for another model; pick a budget for this one (the embedded model's: {group}=embedded_enlarged)",
-        )
-        require(
-            context <= original * factor,
-            f"{key}={self.name} asks for a {context:,}-token context, past the {original * factor:,.0f} positions its "
-            f"rope_scaling (x{factor} over {original:,}) covers: raise {key}.rope_scaling.factor to at least "
-            f"{context / original:.2f} or shorten {key}.max_context_tokens",
-        )
-
-
-@dataclass
-class Trajectory:
-    """One finished episode. Exactly one of `verdict`, `agent_failure`, `quarantine` describes its outcome."""
-
-    task: Task
-    sample_index: int
-    token_ids: list[int]
-    action_mask: list[int]
-    engine_logprobs: list[float]  # aligned with token_ids; 0.0 where action_mask is 0
-    prompt_length: int
-    token_versions: list[int] = field(default_factory=list)  # aligned: the weight version that sampled it, else -1
-    num_turns: int = 0
-    response_tokens: int = 0
-    actions: int = 0  # actions the environment answered (a `StepResult`)
-    invalid_turns: list[int] = field(default_factory=list)  # the turns (from 1) whose action was invalid for it
-    ending: str = ""  # done | turn_limit | token_budget | context_limit | agent_failure | quarantined
-    verdict: Verdict | None = None
-    agent_failure: str | None = None
-    quarantine: str | None = None
-    fault: EnvironmentFault | EngineFault | None = None  # the serving-layer fault behind `quarantine`
-
-    def quarantine_for(self, fault: EnvironmentFault | EngineFault) -> str:
-        """Mark the episode quarantined by `fault` (Appendix G); returns its ending."""
-        self.ending, self.quarantine, self.fault = "quarantined", fault.reason, fault
-        return self.ending
-
-    @property
-    def weight_versions(self) -> set[int]:
-        """The weight versions its tokens were sampled with (one, when strictly on-policy)."""
-        return set(self.token_versions) - {-1}
-
-    @property
-    def truncated(self) -> bool:
-        return self.ending in ("token_budget", "context_limit")
-
-    def reward(self, kind: str) -> float:
-        """Scored outcome; agent failures score 0. Quarantined episodes have no reward (see `quarantine`)."""
-        if self.quarantine is not None:
-            raise ValueError(f"episode {self.task.task_id}#{self.sample_index} is quarantined and has no reward")
-        return self.verdict.reward(kind) if self.verdict is not None else 0.0
-
-
-def invalid_action_fracs(actions_by_tier: dict[int, list[int]]) -> dict[str, float]:
-    """Format health from {tier: [invalid actions, actions answered]}: {"all" | "tier<K>": invalid / answered},
-    where any action was answered (the training step's log, evaluations and the end-of-run summary)."""
-    total = [sum(counts[i] for counts in actions_by_tier.values()) for i in (0, 1)]
-    rows = [("all", total), *((f"tier{tier}", counts) for tier, counts in sorted(actions_by_tier.items()))]
-    return {name: invalid / answered for name, (invalid, answered) in rows if answered}
 
 
 class _Live:
@@ -156,62 +32,8 @@ class _Live:
         self.episode, self.trajectory = episode, trajectory
 
 
-class ChatTokenizer:
-    """A tokenizer whose chat template is always applied with the experiment's options (`model.chat_template_kwargs`,
-    e.g. `enable_thinking: false` for Table A3's Qwen3.5), so that the prompt and every rendered observation follow
-    them, and which carries its model family's chat `markers` (`canopy.models`; default: the default family's).
-    Everything else is the wrapped tokenizer's (saving it saves the tokenizer unchanged)."""
-
-    def __init__(self, tokenizer, markers: ChatMarkers | None = None, **template_kwargs):
-        self.tokenizer, self.template_kwargs = tokenizer, template_kwargs
-        self.markers = markers or MODEL_FAMILIES[DEFAULT_FAMILY].chat
-
-    def __getattr__(self, name: str):
-        if name == "tokenizer":  # not set yet (unpickling): no recursion
-            raise AttributeError(name)
-        return getattr(self.tokenizer, name)
-
-    def __len__(self) -> int:
-        return len(self.tokenizer)
-
-    def apply_chat_template(self, conversation, **kwargs):
-        return self.tokenizer.apply_chat_template(conversation, **{**self.template_kwargs, **kwargs})
-
-
-def chat_markers(tokenizer) -> ChatMarkers:
-    """The chat markers of `tokenizer`'s model family: a `ChatTokenizer`'s own, else the default family's."""
-    return tokenizer.markers if isinstance(tokenizer, ChatTokenizer) else MODEL_FAMILIES[DEFAULT_FAMILY].chat
-
-
-def render_prompt(tokenizer, messages: list[dict]) -> list[int]:
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    return tokenizer.encode(text, add_special_tokens=False)
-
-
-@functools.lru_cache(maxsize=8)
-def assistant_opening(tokenizer) -> str:
-    """What the chat template appends to open an assistant turn, with its options (e.g. Qwen's turn start +
-    `assistant\\n`, plus an empty think block when thinking is disabled)."""
-    probe = [{"role": "user", "content": "?"}]
-    closed = tokenizer.apply_chat_template(probe, add_generation_prompt=False, tokenize=False)
-    opened = tokenizer.apply_chat_template(probe, add_generation_prompt=True, tokenize=False)
-    if not opened.startswith(closed):
-        raise ValueError("the chat template's generation prompt does not extend the conversation it follows")
-    return opened[len(closed) :]
-
-
-def render_observation(tokenizer, observation: str, cap: int, close_turn: bool) -> list[int]:
-    """Ids of `{turn_end}`? + `\\n{turn_start}user\\n{obs}{turn_end}\\n` + the template's assistant opening (the
-    family's `chat_markers`), obs capped to `cap` tokens."""
-    chat = chat_markers(tokenizer)
-    content = tokenizer.encode(observation, add_special_tokens=False)[:cap]
-    head = (chat.turn_end if close_turn else "") + f"\n{chat.turn_start}user\n"
-    tail = chat.turn_end + "\n" + assistant_opening(tokenizer)
-    return tokenizer.encode(head, add_special_tokens=False) + content + tokenizer.encode(tail, add_special_tokens=False)
-
-
 def run_episodes(
-    engine,
+    engine: Engine,
     env: Environment,
     tokenizer,
     jobs: list[tuple[Task, int]],
@@ -249,7 +71,7 @@ def run_episodes(
         return _episode(env, tokenizer, trajectories[index], seed + index, budget, turn_end)
 
     try:
-        if pooled is None and not getattr(engine, "concurrent", False):
+        if pooled is None and not engine.concurrent:
             generation_seconds = _run_in_turns(engine, sampling, episode, keys, limit, progress)
         else:
             generation_seconds = _run_in_threads(engine, sampling, episode, keys, limit, progress)
@@ -329,7 +151,7 @@ def _run_in_turns(engine, sampling: SamplingParams, episode, keys: list[str], li
 def _run_in_threads(engine, sampling: SamplingParams, episode, keys: list[str], limit: int, progress) -> float:
     """Drive each episode in a thread of its own (at most `limit` at once). Returns the seconds during which a
     generation was under way."""
-    if getattr(engine, "concurrent", False):
+    if engine.concurrent:
         requests = _Direct(engine, sampling, keys)
     else:
         requests = _Gatherer(engine, sampling, keys)

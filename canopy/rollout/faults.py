@@ -11,7 +11,7 @@ message (which names the log to read) and what to do:
 from collections import Counter
 
 from canopy.envs.base import SystemicFaultError
-from canopy.rollout.agent_loop import Trajectory
+from canopy.rollout.trajectory import Trajectory
 
 REPEATS = 2
 

@@ -32,8 +32,10 @@ from canopy.envs.fault_injection import EPISODE_PHASES, INFRA_FAULTS, NEEDS_ROOT
 from canopy.envs.pool import EnvironmentPool, PoolSettings
 from canopy.envs.swe_fault_injection import SERVING_FAULTS
 from canopy.envs.swebench import NO_PATCH_OUTCOMES
-from canopy.rollout.agent_loop import Budget, Trajectory, run_episodes
+from canopy.rollout.agent_loop import run_episodes
+from canopy.rollout.budget import Budget
 from canopy.rollout.engine import Generation, SamplingParams
+from canopy.rollout.trajectory import Trajectory
 from canopy.tiny_model import build_byte_tokenizer
 from canopy.tools.swe_attacks import ATTACKS, Repo
 from canopy.tools.swe_data.generate import generate
@@ -99,6 +101,8 @@ def soak_jobs(count: int, fault_rate: float, seed: int, base_tasks: list[Task]) 
 class SoakAgent:
     """A scripted policy behind the engine contract: it reads the episode tag in the prompt and answers with
     that episode's script (turn 1: its fault, escape attempt or an ordinary step; turn 2: the answer)."""
+
+    concurrent = False  # a batch at a time, as `run_episodes` reads it
 
     def __init__(self, tokenizer, jobs: list[SoakJob]):
         self.tokenizer, self.weight_version = tokenizer, 0

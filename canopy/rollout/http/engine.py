@@ -8,8 +8,9 @@ each sample must carry the version it set.
 import atexit
 import contextlib
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from types import MappingProxyType
 from typing import Protocol
 
 import torch
@@ -30,7 +31,9 @@ class HTTPEngine:
     """Generates over the servers of `fleet`; weights pushed after every step by `weight_sync`, each sample checked
     for the current version. A backend's engine builds the three parts and hands them over."""
 
+    dtype: str
     concurrent = True  # serves each episode's request as it comes (`run_episodes` sends them one by one)
+    counters: Mapping[str, int] = MappingProxyType({})  # what the servers compute is counted by them, not here
 
     def __init__(
         self,
@@ -47,6 +50,7 @@ class HTTPEngine:
         self.backend, self.settings = fleet.backend, fleet.settings
         self.context_length, self.rope_scaling, self.seed = context_length, rope_scaling, seed
         self.sync_lock = threading.Lock()  # a weight sync and a recovered server's re-sync never interleave
+        self.pool: ThreadPoolExecutor | None = None  # the request threads, once the servers are up
         atexit.register(self.close)
         try:
             self.fleet.start(context_length, rope_scaling, seed)
@@ -97,11 +101,18 @@ class HTTPEngine:
         """The servers' sampling state is theirs and per request: nothing to save or restore."""
         return contextlib.nullcontext()
 
+    def rng_state(self) -> None:
+        """None: the sampling state is the servers' (a checkpoint saves none)."""
+        return None
+
+    def load_rng_state(self, state) -> None:
+        """Nothing to resume: the sampling state is the servers'."""
+
     def close(self) -> None:
         """Stop the servers this engine launched (their whole process groups)."""
         self.router.close()
         self.fleet.stop()
-        if hasattr(self, "pool"):
+        if self.pool is not None:
             self.pool.shutdown(wait=False, cancel_futures=True)
 
     # ---- generation ----------------------------------------------------------------------------------------------

@@ -57,7 +57,7 @@ def prompt_lengths(instances: list[dict], tokenizer_dir: str, template_kwargs: d
     from transformers import AutoTokenizer
 
     from canopy.envs.swebench import harness
-    from canopy.rollout.agent_loop import ChatTokenizer, render_prompt
+    from canopy.rollout.chat import ChatTokenizer, render_prompt
 
     tokenizer = ChatTokenizer(AutoTokenizer.from_pretrained(tokenizer_dir), **template_kwargs)
     return {
