@@ -1,9 +1,12 @@
 """What several test files share (no test file imports another): the composed config, hand-built trajectories and a
 data module over the vault world, Eq. 3 for one group, an environment package from outside the tree, `train.py` runs,
 a module's imports, the rendered viewer page, AppWorld's venv and pool settings, SGLang and vLLM engines over fake
-servers, and an environment of fixed-length episodes. Fixtures are in conftest.py; the typed settings (settings.py),
-the fake servers, the scripted engine and the rank worker are modules of their own."""
+servers, an environment of fixed-length episodes, and the run's typed settings with a test's few values replaced
+(`section`, `canopy_module`, `datamodule_over`). Fixtures are in conftest.py; the fake servers, the scripted engines
+and the rank worker are modules of their own."""
 
+import dataclasses
+import functools
 import shutil
 import subprocess
 import sys
@@ -11,16 +14,17 @@ import time
 from pathlib import Path
 
 import torch
+from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
 from canopy.envs.base import StepResult, Task, Verdict
 from canopy.envs.embedded import EmbeddedEnvironment
 from canopy.envs.pool import PoolSettings
+from canopy.modules.parallel import ParallelSettings
 from canopy.objective import step_advantages
-from canopy.rollout.budget import Budget
+from canopy.rollout.budget import Budget, BudgetSettings
 from canopy.rollout.engine import SamplingParams
 from canopy.rollout.trajectory import Trajectory
-from tests import settings
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -51,7 +55,7 @@ def trajectory(task, i, success=None, quarantine=None, length=5, version=0):
 
 def datamodule(tokenizer, engine, **kwargs):
     args = dict(split="train", tasks_per_step=3, group_size=4, budget=BUDGET, sampling=SamplingParams(), seed=0)
-    return settings.datamodule(EmbeddedEnvironment(), engine, tokenizer, **{**args, **kwargs})
+    return datamodule_over(EmbeddedEnvironment(), engine, tokenizer, **{**args, **kwargs})
 
 
 def group_advantages(rewards: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -264,3 +268,69 @@ class CountdownEnvironment:
 
     def close(self):
         pass
+
+
+# The run's typed settings as conf/train.yaml composes them, with a test's few values replaced: components take
+# their settings whole, and a test names only what it changes.
+
+
+@functools.cache
+def _composed():
+    return config()
+
+
+def section(node: str, **values):
+    """The settings object of config node `node` (`algorithm`, `data`, ...), with `values` replaced."""
+    return dataclasses.replace(OmegaConf.to_object(_composed()[node]), **values)
+
+
+def deal(values: dict, nodes: tuple[str, ...]) -> dict[str, dict]:
+    """`values` dealt to the sections of `nodes` whose schema has each key; a key none has is an error."""
+    dealt = {node: {} for node in nodes}
+    for key, value in values.items():
+        node = next((n for n in nodes if key in {f.name for f in dataclasses.fields(type(section(n)))}), None)
+        if node is None:
+            raise TypeError(f"{key} is a key of none of {nodes}")
+        dealt[node][key] = value
+    return dealt
+
+
+def canopy_module(model_path, *, parallel: ParallelSettings | None = None, seed: int = 0, engine=None, **values):
+    """A `CanopyModule` with train.yaml's algorithm, optim, trainer and sampling settings but for `values`."""
+    from canopy.modules.canopy_module import CanopyModule
+
+    dealt = deal(values, ("algorithm", "optim", "trainer", "sampling"))
+    return CanopyModule(
+        str(model_path),
+        **{node: section(node, **changed) for node, changed in dealt.items()},
+        parallel=parallel or ParallelSettings(),
+        seed=seed,
+        engine=engine,
+    )
+
+
+def budget_settings(budget: Budget) -> BudgetSettings:
+    return BudgetSettings(name="test", rope_scaling=None, **dataclasses.asdict(budget))
+
+
+def datamodule_over(env, engine, tokenizer, *, budget: Budget, seed: int = 0, trajectory_log=None, **values):
+    """A `RolloutDataModule` with train.yaml's data and algorithm settings but for `values` (and `sampling`,
+    `max_quarantine_fraction`, `rollout_timeout_s`: train.yaml's unless given), over `budget`."""
+    from canopy.datamodules.rollout import RolloutDataModule
+
+    extra = {key: values.pop(key) for key in ("max_quarantine_fraction", "rollout_timeout_s") if key in values}
+    sampling = values.pop("sampling", None)
+    dealt = deal(values, ("data", "algorithm"))
+    cfg = _composed()
+    return RolloutDataModule(
+        env,
+        engine,
+        tokenizer,
+        **{node: section(node, **changed) for node, changed in dealt.items()},
+        sampling=sampling or section("sampling"),
+        budget=budget_settings(budget),
+        max_quarantine_fraction=extra.get("max_quarantine_fraction", cfg.env.max_quarantine_fraction),
+        rollout_timeout_s=extra.get("rollout_timeout_s", cfg.trainer.rollout_timeout_s),
+        seed=seed,
+        trajectory_log=trajectory_log,
+    )

@@ -25,7 +25,7 @@ from canopy.modules.parallel import ParallelSettings, all_reduce_sum, build_para
 from canopy.modules.policy import load_policy, unwrap
 from canopy.objective import canopy_loss
 from canopy.step import RolloutBatch
-from tests import settings as test_settings
+from tests.helpers import canopy_module
 from tests.parallel_worker import run_ranks, spawn_from_argv
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -66,7 +66,7 @@ def step_backward(module: CanopyModule, full: RolloutBatch, order: torch.Tensor 
 
 def module_with(policy, reference, dims, settings=None) -> CanopyModule:
     """A module around built models; the reference is scaled off the policy so that the KL term has gradient."""
-    module = test_settings.module("unused", parallel=settings, **HPARAMS)
+    module = canopy_module("unused", parallel=settings, **HPARAMS)
     with torch.no_grad():
         for p in reference.requires_grad_(False).parameters():
             p.mul_(1.05)
@@ -154,9 +154,9 @@ def test_cp_refusals_name_the_fix():
     with pytest.raises(ConfigError, match="use token-mean"):
         validate(config("parallelism.cp=2", "trainer.accelerator=gpu", "algorithm.loss_aggregation=seq-mean"))
     with pytest.raises(ConfigError, match="use token-mean"):
-        test_settings.module("unused", loss_aggregation="seq-mean", parallel=ParallelSettings(cp=2))
+        canopy_module("unused", loss_aggregation="seq-mean", parallel=ParallelSettings(cp=2))
     with pytest.raises(ConfigError, match="context parallel needs GPUs"):
-        test_settings.module("unused", parallel=ParallelSettings(cp=2)).configure_model()
+        canopy_module("unused", parallel=ParallelSettings(cp=2)).configure_model()
 
 
 @pytest.mark.slow

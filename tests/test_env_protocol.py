@@ -161,7 +161,7 @@ def test_closing_appworld_stops_its_server_and_grader_until_the_next_episode():
 def test_the_data_module_closes_the_environment_at_teardown():
     """Every environment is closed at teardown: an in-process one too (it used to be probed for `close`)."""
     from canopy.rollout.budget import Budget
-    from tests import settings
+    from tests.helpers import datamodule_over
 
     class Counted(EmbeddedEnvironment):
         closed = 0
@@ -172,7 +172,7 @@ def test_the_data_module_closes_the_environment_at_teardown():
     env = Counted()
     budget = Budget(max_turns=1, max_response_tokens=8, max_prompt_tokens=64, max_observation_tokens=8,
                     max_context_tokens=128)  # fmt: skip
-    datamodule = settings.datamodule(env, lambda: None, None, tasks_per_step=1, group_size=2, budget=budget)
+    datamodule = datamodule_over(env, lambda: None, None, tasks_per_step=1, group_size=2, budget=budget)
     datamodule.teardown("fit")
     assert env.closed == 1
 

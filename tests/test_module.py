@@ -15,7 +15,7 @@ from canopy.modules.policy import export_hf_state_dict, load_policy
 from canopy.rollout.budget import Budget
 from canopy.rollout.engine import SamplingParams
 from canopy.rollout.local import LocalEngine
-from tests import settings
+from tests.helpers import canopy_module, datamodule_over
 
 BUDGET = Budget(
     max_turns=3, max_response_tokens=48, max_prompt_tokens=128, max_observation_tokens=32, max_context_tokens=512
@@ -85,7 +85,7 @@ class VersionLaggingEngine(LocalEngine):
 def make(tiny_path, tokenizer, seed=0, engine_class=LocalEngine, reward="sparse", rollout_correction=None, **values):
     stop = [tokenizer.convert_tokens_to_ids("<|im_end|>")]
     engine = engine_class(tiny_path, stop, tokenizer.pad_token_id, seed=seed)
-    dm = settings.datamodule(
+    dm = datamodule_over(
         EmbeddedEnvironment(),
         engine,
         tokenizer,
@@ -99,7 +99,7 @@ def make(tiny_path, tokenizer, seed=0, engine_class=LocalEngine, reward="sparse"
     )
     if rollout_correction is not None:
         values["rollout_correction"] = rollout_correction
-    module = settings.module(tiny_path, lr=1e-3, temperature=1.0, seed=seed, engine=dm.engine_handle, **values)
+    module = canopy_module(tiny_path, lr=1e-3, temperature=1.0, seed=seed, engine=dm.engine_handle, **values)
     return dm, module
 
 

@@ -166,20 +166,20 @@ def test_train_py_trains_an_environment_from_outside_the_tree_with_the_byte_leve
 
 def test_the_word_level_tiny_model_warns_that_it_cannot_read_another_environment(own_package):
     """The datamodule's readability check: most prompt tokens `<unk>` -> one warning naming the byte tokenizer."""
-    from tests import settings
+    from tests.helpers import datamodule_over
 
     env = environment_module("mypkg.letters").ENVIRONMENT()
     tokenizer = build_tokenizer()
     budget = Budget(max_turns=1, max_response_tokens=8, max_prompt_tokens=128, max_observation_tokens=16,
                     max_context_tokens=512)  # fmt: skip
     args = dict(split="train", tasks_per_step=2, group_size=2, budget=budget, sampling=SamplingParams())
-    datamodule = settings.datamodule(env, ScriptedEngine(tokenizer, ["open"]), tokenizer, **args)
+    datamodule = datamodule_over(env, ScriptedEngine(tokenizer, ["open"]), tokenizer, **args)
     with pytest.warns(UserWarning, match=r"of the prompts' tokens are the tokenizer's unknown token '<unk>'.*"
                       r"model.tiny.tokenizer=byte"):  # fmt: skip
         batch = datamodule.next_batch()
     assert batch.metrics["health/unknown_prompt_frac"] > 0.5
     byte_tokenizer = build_byte_tokenizer()
-    readable = settings.datamodule(env, ScriptedEngine(byte_tokenizer, ["e"]), byte_tokenizer, **args)
+    readable = datamodule_over(env, ScriptedEngine(byte_tokenizer, ["e"]), byte_tokenizer, **args)
     assert "health/unknown_prompt_frac" not in readable.next_batch().metrics
 
 
