@@ -26,6 +26,7 @@ import types
 from pathlib import Path
 
 import torch
+from omegaconf import OmegaConf
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -36,6 +37,7 @@ from canopy.rollout.agent_loop import run_episodes  # noqa: E402
 from canopy.rollout.budget import Budget  # noqa: E402
 from canopy.rollout.engine import SamplingParams  # noqa: E402
 from canopy.rollout.local import LocalEngine  # noqa: E402
+from canopy.rollout.settings import LocalEngineSettings  # noqa: E402
 from canopy.tools.memory_plan import compose_config  # noqa: E402
 
 
@@ -86,8 +88,8 @@ def rollouts(args) -> None:
     common = (model_path, stops, tokenizer.pad_token_id, cfg.seed)
     engines = {
         "baseline": Baseline(args.baseline_rev, *common),
-        "replay": LocalEngine(*common, session_tokens=0),
-        "sessions": LocalEngine(*common, session_tokens=cfg.engine.local.session_tokens),
+        "replay": LocalEngine(*common, settings=LocalEngineSettings(session_tokens=0)),
+        "sessions": LocalEngine(*common, settings=OmegaConf.to_object(cfg.engine.local)),
     }
     counts = {name: TokenCount(engine.model) for name, engine in engines.items()}
     seconds = {name: [] for name in engines}
@@ -127,13 +129,15 @@ def decode_loop(args) -> None:
     cfg = compose_config([])
     model_path = ensure_model(cfg)
     tokenizer = build_tokenizer(cfg, model_path)
-    engine = LocalEngine(model_path, [], tokenizer.pad_token_id, cfg.seed, session_tokens=0)
+    engine = LocalEngine(
+        model_path, [], tokenizer.pad_token_id, cfg.seed, settings=LocalEngineSettings(session_tokens=0)
+    )
     prompt = tokenizer.encode("task : vault 1 . status : guest", add_special_tokens=False)
     prompts = [prompt[: 4 + i % (len(prompt) - 3)] for i in range(args.rows)]  # lengths vary: left padding
     width = max(map(len, prompts))
     ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(p)) + p for p in prompts])
     mask = (ids != tokenizer.pad_token_id).long()
-    sampling = SamplingParams(temperature=0.9)
+    sampling = SamplingParams(temperature=0.9, top_p=1.0, top_k=-1)
 
     def ours():
         engine.generate(prompts, [args.new_tokens] * args.rows, sampling)

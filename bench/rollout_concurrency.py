@@ -125,7 +125,15 @@ def main() -> None:
             ("per-episode loop", engine, Environment(step_s, args.episodes)),
         ):
             started = time.perf_counter()
-            trajectories, _ = run_episodes(eng, env, tokenizer, jobs, budget, SamplingParams(), description=name)
+            trajectories, _ = run_episodes(
+                eng,
+                env,
+                tokenizer,
+                jobs,
+                budget,
+                SamplingParams(temperature=1.0, top_p=1.0, top_k=-1),
+                description=name,
+            )
             runs[name] = time.perf_counter() - started
             assert all(t.num_turns == args.turns and t.verdict is not None for t in trajectories), name
         engine.close()

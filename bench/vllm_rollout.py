@@ -31,6 +31,7 @@ from canopy.rollout.agent_loop import run_episodes  # noqa: E402
 from canopy.rollout.budget import Budget  # noqa: E402
 from canopy.rollout.engine import SamplingParams  # noqa: E402
 from canopy.rollout.local import LocalEngine  # noqa: E402
+from canopy.rollout.settings import LocalEngineSettings  # noqa: E402
 from canopy.rollout.vllm import VLLMEngine, VLLMSettings  # noqa: E402
 from canopy.tools.memory_plan import compose_config  # noqa: E402
 
@@ -122,7 +123,7 @@ def main() -> None:
             return build
 
         def local():
-            return LocalEngine(model_path, stops, tokenizer.pad_token_id, cfg.seed, session_tokens=131072)
+            return LocalEngine(model_path, stops, tokenizer.pad_token_id, cfg.seed, settings=LocalEngineSettings())
 
         rows = [measure("local float32", local)]
         rows += [measure(f"vLLM float32 x{n}", vllm(n, "float32")) for n in (1, 2)]

@@ -70,9 +70,7 @@ def build_engine(cfg: DictConfig, model_path: str, tokenizer):
             pad_token_id=tokenizer.pad_token_id,
             seed=cfg.seed,
             rope_scaling=rope_scaling,
-            dtype=settings.local.dtype,
-            device=settings.local.device,
-            session_tokens=settings.local.session_tokens,
+            settings=settings.local,
         )
     return SERVER_ENGINES[settings.name](
         model_path,

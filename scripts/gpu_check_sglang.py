@@ -42,7 +42,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="canopy-sglang-check-"))
     base_dir, base, prompts = check_model(work)
     stops = [2, 0]  # <|im_end|>, <|endoftext|>
-    sampling = SamplingParams(temperature=0.7)
+    sampling = SamplingParams(temperature=0.7, top_p=1.0, top_k=-1)
 
     settings = SGLangSettings(
         python=python,

@@ -43,7 +43,7 @@ def main() -> None:
     two_gpus = torch.cuda.device_count() > 1
     work = Path(tempfile.mkdtemp(prefix="canopy-vllm-check-"))
     base_dir, base, prompts = check_model(work)
-    sampling = SamplingParams(temperature=0.7)
+    sampling = SamplingParams(temperature=0.7, top_p=1.0, top_k=-1)
     settings = VLLMSettings(
         python=python,
         base_port=free_port(),

@@ -54,7 +54,14 @@ def trajectory(task, i, success=None, quarantine=None, length=5, version=0):
 
 
 def datamodule(tokenizer, engine, **kwargs):
-    args = dict(split="train", tasks_per_step=3, group_size=4, budget=BUDGET, sampling=SamplingParams(), seed=0)
+    args = dict(
+        split="train",
+        tasks_per_step=3,
+        group_size=4,
+        budget=BUDGET,
+        sampling=SamplingParams(temperature=1.0, top_p=1.0, top_k=-1),
+        seed=0,
+    )
     return datamodule_over(EmbeddedEnvironment(), engine, tokenizer, **{**args, **kwargs})
 
 

@@ -11,7 +11,7 @@ from tests.scripted import ScriptedEngine
 BUDGET = Budget(
     max_turns=6, max_response_tokens=256, max_prompt_tokens=128, max_observation_tokens=32, max_context_tokens=1024
 )
-T = SamplingParams()
+T = SamplingParams(temperature=1.0, top_p=1.0, top_k=-1)
 
 
 def task(start, tier, vault=0):
@@ -182,7 +182,9 @@ def test_chat_template_options_reach_the_prompt_and_every_observation(tokenizer,
     budget = Budget(
         max_turns=2, max_response_tokens=64, max_prompt_tokens=256, max_observation_tokens=32, max_context_tokens=512
     )
-    (episode,), _ = run_episodes(engine, EmbeddedEnvironment(), chat, [(task, 0)], budget, SamplingParams())
+    (episode,), _ = run_episodes(
+        engine, EmbeddedEnvironment(), chat, [(task, 0)], budget, SamplingParams(temperature=1.0, top_p=1.0, top_k=-1)
+    )
     first_prompt = engine.calls[0][0][0]
     assert (first_prompt[-len(block) :] == block) == (thinking is False)
     assert episode.num_turns == 2 and episode.token_ids.count(block[0]) == (2 if thinking is False else 0)

@@ -105,7 +105,12 @@ def scripted(pool):
         for key, answer in answers.items()
     }
     trajectories, _ = run_episodes(
-        ScriptEngine(tokenizer, scripts), pool, tokenizer, [(t, 0) for t in tasks], BUDGET, SamplingParams()
+        ScriptEngine(tokenizer, scripts),
+        pool,
+        tokenizer,
+        [(t, 0) for t in tasks],
+        BUDGET,
+        SamplingParams(temperature=1.0, top_p=1.0, top_k=-1),
     )
     return tokenizer, tasks, trajectories
 
@@ -158,7 +163,9 @@ def test_infinite_loop_is_an_error_observation_and_scores_zero(pool):
     tokenizer = build_byte_tokenizer()
     task = pool.tasks("train")[0]
     engine = ScriptEngine(tokenizer, {"Task: What is 17 plus 25?": [code("while True:\n    pass")]})
-    [trajectory], _ = run_episodes(engine, pool, tokenizer, [(task, 0)], BUDGET, SamplingParams())
+    [trajectory], _ = run_episodes(
+        engine, pool, tokenizer, [(task, 0)], BUDGET, SamplingParams(temperature=1.0, top_p=1.0, top_k=-1)
+    )
     assert "Execution timed out after 2 seconds" in tokenizer.decode(trajectory.token_ids[trajectory.prompt_length :])
     assert trajectory.ending == "turn_limit" and trajectory.quarantine is None
     assert trajectory.verdict == Verdict(0, 2) and trajectory.reward("sparse") == 0.0

@@ -14,6 +14,8 @@ from canopy.datamodules.rollout import RolloutDataModule
 from canopy.envs.appworld import environment_kwargs as appworld_kwargs
 from canopy.errors import ConfigError
 from canopy.modules.canopy_module import CanopyModule
+from canopy.rollout.local import LocalEngine
+from canopy.rollout.settings import LocalEngineSettings
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 # components that take a config section's settings whole, by parameter name
@@ -55,15 +57,18 @@ def code_default(component, name):
 
 def test_components_take_their_settings_whole_and_repeat_no_default():
     """The composition root hands each component its sections' settings objects whole (typed by the section's schema),
-    and no constructor has a default of its own for a key a schema defines: the schema (or conf/train.yaml for the
+    and no constructor has a default of its own for a key its settings define: the schema (or conf/train.yaml for the
     sections whose schema holds none) is the one place a default is written."""
-    keys = {f.name for schema in {*SCHEMAS, *SECTIONS.values()} for f in dataclasses.fields(schema)}
     for component, sections in TAKERS.items():
         parameters = inspect.signature(component).parameters
         for name, node in sections.items():
             assert parameters[name].annotation is SECTIONS[node] and parameters[name].default is inspect.Parameter.empty
+        keys = {f.name for node in sections.values() for f in dataclasses.fields(SECTIONS[node])}
         defaulted = {name for name, p in parameters.items() if p.default is not inspect.Parameter.empty}
         assert defaulted & keys == set(), f"{component.__name__} repeats the default of {defaulted & keys}"
+    local = inspect.signature(LocalEngine).parameters
+    assert not {f.name for f in dataclasses.fields(LocalEngineSettings)} & set(local)  # engine.local.*, whole
+    assert local["settings"].annotation == LocalEngineSettings | None
     cfg = config("algorithm.kl_coef=0.25", "trainer.micro_batch_tokens=777", "sampling.temperature=0.5")
     module = build_module(cfg, "unused")
     assert module.algorithm == OmegaConf.to_object(cfg.algorithm) and module.algorithm.kl_coef == 0.25

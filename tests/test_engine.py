@@ -4,6 +4,7 @@ import torch
 from canopy.modules.policy import export_hf_state_dict, load_policy
 from canopy.rollout.engine import SamplingParams
 from canopy.rollout.local import LocalEngine, filter_logits
+from canopy.rollout.settings import LocalEngineSettings
 
 
 def engine_for(tiny_path, tokenizer, seed=0):
@@ -17,7 +18,7 @@ def test_generation_respects_limits_stops_and_reports_logprobs(tiny_path, tokeni
         tokenizer.encode("task : vault 1", add_special_tokens=False),
         tokenizer.encode("goal", add_special_tokens=False),
     ]
-    out = engine.generate(prompts, [5, 40], SamplingParams(temperature=0.9))
+    out = engine.generate(prompts, [5, 40], SamplingParams(temperature=0.9, top_p=1.0, top_k=-1))
     assert len(out[0].token_ids) <= 5 and len(out[1].token_ids) <= 40
     for generation, limit in zip(out, [5, 40]):
         assert len(generation.logprobs) == len(generation.token_ids) and generation.weight_version == 0
@@ -32,7 +33,7 @@ def test_engine_logprobs_equal_the_policy_logprobs_at_temperature(tiny_path, tok
     engine = engine_for(tiny_path, tokenizer, seed=3)
     policy, _ = load_policy(tiny_path)
     prompts = [tokenizer.encode("task : vault 1 . status : guest", add_special_tokens=False), [5, 6]]
-    out = engine.generate(prompts, [12, 12], SamplingParams(temperature=0.7))
+    out = engine.generate(prompts, [12, 12], SamplingParams(temperature=0.7, top_p=1.0, top_k=-1))
     for prompt, generation in zip(prompts, out):
         ids = torch.tensor([prompt + generation.token_ids])
         with torch.no_grad():
@@ -45,7 +46,7 @@ def test_weight_sync_changes_outputs_and_version(tiny_path, tokenizer):
     engine = engine_for(tiny_path, tokenizer)
     policy, adapter = load_policy(tiny_path)
     prompt = tokenizer.encode("task : vault 1", add_special_tokens=False)
-    greedy = SamplingParams(temperature=1.0, top_k=1)
+    greedy = SamplingParams(temperature=1.0, top_p=1.0, top_k=1)
     before = engine.generate([prompt], [8], greedy)[0]
     with torch.no_grad():
         for p in policy.parameters():
@@ -62,8 +63,12 @@ def test_weight_sync_changes_outputs_and_version(tiny_path, tokenizer):
 
 def test_same_seed_same_samples(tiny_path, tokenizer):
     prompt = [tokenizer.encode("task : vault 1", add_special_tokens=False)] * 3
-    a = engine_for(tiny_path, tokenizer, seed=5).generate(prompt, [10] * 3, SamplingParams())
-    b = engine_for(tiny_path, tokenizer, seed=5).generate(prompt, [10] * 3, SamplingParams())
+    a = engine_for(tiny_path, tokenizer, seed=5).generate(
+        prompt, [10] * 3, SamplingParams(temperature=1.0, top_p=1.0, top_k=-1)
+    )
+    b = engine_for(tiny_path, tokenizer, seed=5).generate(
+        prompt, [10] * 3, SamplingParams(temperature=1.0, top_p=1.0, top_k=-1)
+    )
     assert [g.token_ids for g in a] == [g.token_ids for g in b]
 
 
@@ -91,11 +96,13 @@ def test_partial_or_foreign_weight_updates_are_refused(tiny_path, tokenizer):
 def test_a_bfloat16_engine_samples_near_the_float32_trainer_but_not_equal(tiny_path, tokenizer):
     """`engine.local.dtype=bfloat16`: the gap the device check measures on a GPU, here on the CPU's bf16 kernels."""
     stop = [tokenizer.convert_tokens_to_ids("<|im_end|>")]
-    engine = LocalEngine(tiny_path, stop, tokenizer.pad_token_id, seed=3, dtype="bfloat16", device="cpu")
+    engine = LocalEngine(
+        tiny_path, stop, tokenizer.pad_token_id, seed=3, settings=LocalEngineSettings(dtype="bfloat16")
+    )
     assert engine.dtype == "bfloat16" and next(engine.model.parameters()).dtype == torch.bfloat16
     policy, _ = load_policy(tiny_path)
     prompt = tokenizer.encode("task : vault 1 . status : guest", add_special_tokens=False)
-    generation = engine.generate([prompt], [16], SamplingParams(temperature=0.7))[0]
+    generation = engine.generate([prompt], [16], SamplingParams(temperature=0.7, top_p=1.0, top_k=-1))[0]
     ids = torch.tensor([prompt + generation.token_ids])
     with torch.no_grad():
         logp = torch.log_softmax(policy(ids)[0, :-1] / 0.7, -1)

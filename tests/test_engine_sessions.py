@@ -11,9 +11,10 @@ from canopy.rollout.agent_loop import run_episodes
 from canopy.rollout.budget import Budget
 from canopy.rollout.engine import SamplingParams
 from canopy.rollout.local import LocalEngine
+from canopy.rollout.settings import LocalEngineSettings
 from canopy.tiny_model import build_tiny_checkpoint
 
-SAMPLING = SamplingParams(temperature=0.8)
+SAMPLING = SamplingParams(temperature=0.8, top_p=1.0, top_k=-1)
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +29,9 @@ def checkpoint(request, tiny_path):
 
 def engine(path, tokenizer, session_tokens=131072, seed=3):
     stops = [tokenizer.convert_tokens_to_ids("<|im_end|>")]
-    return LocalEngine(path, stops, tokenizer.pad_token_id, seed=seed, session_tokens=session_tokens)
+    return LocalEngine(
+        path, stops, tokenizer.pad_token_id, seed=seed, settings=LocalEngineSettings(session_tokens=session_tokens)
+    )
 
 
 def first_prompts(tokenizer):

@@ -74,7 +74,9 @@ def test_the_summary_compares_base_and_final_success_and_invalid_action_share(to
     budget = Budget(max_turns=3, max_response_tokens=64, max_prompt_tokens=128, max_observation_tokens=32,
                     max_context_tokens=512)  # fmt: skip
     engine = ScriptedEngine(tokenizer, ["hello", "login", "hello"])
-    sampled = sample_runs(engine, EmbeddedEnvironment(), tokenizer, tasks, 1, budget, SamplingParams())
+    sampled = sample_runs(
+        engine, EmbeddedEnvironment(), tokenizer, tasks, 1, budget, SamplingParams(temperature=1.0, top_p=1.0, top_k=-1)
+    )
     assert sampled.actions_by_tier == {1: [1, 2], 2: [2, 3]}  # tier 1 done at its login; tier 2 at the turn limit
     assert invalid_action_fracs(sampled.actions_by_tier) == {"all": 0.6, "tier1": 0.5, "tier2": pytest.approx(2 / 3)}
     assert invalid_action_fracs({3: [0, 0]}) == {}  # nothing answered: no share

@@ -106,7 +106,7 @@ def test_evaluation_stops_too(tokenizer):
             env.tasks("dev")[:3],
             2,
             BUDGET,
-            SamplingParams(),
+            SamplingParams(temperature=1.0, top_p=1.0, top_k=-1),
             description="eval base",
         )
 
@@ -125,7 +125,7 @@ def test_pool_faults_name_their_worker_and_stop_the_step(tokenizer, tmp_path):
             tokenizer,
             [(t, i) for t in tasks for i in range(2)],
             BUDGET,
-            SamplingParams(),
+            SamplingParams(temperature=1.0, top_p=1.0, top_k=-1),
         )
     finally:
         pool.close()

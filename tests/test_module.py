@@ -93,7 +93,7 @@ def make(tiny_path, tokenizer, seed=0, engine_class=LocalEngine, reward="sparse"
         tasks_per_step=3,
         group_size=4,
         budget=BUDGET,
-        sampling=SamplingParams(temperature=1.0),
+        sampling=SamplingParams(temperature=1.0, top_p=1.0, top_k=-1),
         reward=reward,
         seed=seed,
     )

@@ -108,7 +108,14 @@ def test_a_scripted_policy_scores_on_the_environment_and_reads_its_prompt(own_pa
     budget = Budget(max_turns=2, max_response_tokens=64, max_prompt_tokens=128, max_observation_tokens=16,
                     max_context_tokens=512)  # fmt: skip
     jobs = [(task, 0) for task in tasks]
-    trajectories, _ = run_episodes(ScriptedEngine(tokenizer, ["eta"]), env, tokenizer, jobs, budget, SamplingParams())
+    trajectories, _ = run_episodes(
+        ScriptedEngine(tokenizer, ["eta"]),
+        env,
+        tokenizer,
+        jobs,
+        budget,
+        SamplingParams(temperature=1.0, top_p=1.0, top_k=-1),
+    )
     assert [t.verdict.success for t in trajectories] == [c in "eta" for c in "etaoinsh"]
     prompt = tokenizer.decode(trajectories[0].token_ids[: trajectories[0].prompt_length])
     assert "Write any text that contains the letter e." in prompt
@@ -172,7 +179,13 @@ def test_the_word_level_tiny_model_warns_that_it_cannot_read_another_environment
     tokenizer = build_tokenizer()
     budget = Budget(max_turns=1, max_response_tokens=8, max_prompt_tokens=128, max_observation_tokens=16,
                     max_context_tokens=512)  # fmt: skip
-    args = dict(split="train", tasks_per_step=2, group_size=2, budget=budget, sampling=SamplingParams())
+    args = dict(
+        split="train",
+        tasks_per_step=2,
+        group_size=2,
+        budget=budget,
+        sampling=SamplingParams(temperature=1.0, top_p=1.0, top_k=-1),
+    )
     datamodule = datamodule_over(env, ScriptedEngine(tokenizer, ["open"]), tokenizer, **args)
     with pytest.warns(UserWarning, match=r"of the prompts' tokens are the tokenizer's unknown token '<unk>'.*"
                       r"model.tiny.tokenizer=byte"):  # fmt: skip
@@ -213,7 +226,12 @@ def test_reasoning_gym_tasks_are_scored_by_the_datasets_own_verifier():
             return super().generate(prompts, max_new_tokens, sampling, keys)
 
     engine = Answering(tokenizer, [""])
-    trajectories = [run_episodes(engine, env, tokenizer, [(t, 0)], budget, SamplingParams())[0][0] for t in tasks]
+    trajectories = [
+        run_episodes(engine, env, tokenizer, [(t, 0)], budget, SamplingParams(temperature=1.0, top_p=1.0, top_k=-1))[0][
+            0
+        ]
+        for t in tasks
+    ]
     assert [t.verdict.success for t in trajectories] == [True, False] * 3
     assert [t.invalid_turns for t in trajectories] == [[], [1]] * 3  # no <answer> tag
     assert tokenizer.decode(trajectories[0].token_ids).count(env.start(tasks[0], 0).entry["question"]) == 1

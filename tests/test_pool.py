@@ -277,12 +277,26 @@ def test_embedded_env_behind_the_pool_matches_in_process(tokenizer):
     )
     env = EmbeddedEnvironment()
     jobs = [(task, 0) for task in env.tasks("train")[:6]]
-    local, _ = run_episodes(TurnScriptedEngine(tokenizer), env, tokenizer, jobs, budget, SamplingParams())
+    local, _ = run_episodes(
+        TurnScriptedEngine(tokenizer),
+        env,
+        tokenizer,
+        jobs,
+        budget,
+        SamplingParams(temperature=1.0, top_p=1.0, top_k=-1),
+    )
     pool = EnvironmentPool(
         "canopy.envs.embedded:EmbeddedEnvironment", {}, PoolSettings(workers=4, request_timeout_s=30)
     )
     try:
-        pooled, _ = run_episodes(TurnScriptedEngine(tokenizer), pool, tokenizer, jobs, budget, SamplingParams())
+        pooled, _ = run_episodes(
+            TurnScriptedEngine(tokenizer),
+            pool,
+            tokenizer,
+            jobs,
+            budget,
+            SamplingParams(temperature=1.0, top_p=1.0, top_k=-1),
+        )
     finally:
         pool.close()
     assert [(t.ending, t.verdict, t.token_ids) for t in pooled] == [(t.ending, t.verdict, t.token_ids) for t in local]

@@ -108,12 +108,12 @@ def test_local_engine_samples_qwen3_5_with_the_trainers_logprobs(qwen3_5_path):
             assert len(generation.token_ids) > 3
             assert torch.allclose(torch.tensor(generation.logprobs), expected, atol=1e-4)
 
-    check(engine.generate(prompts, [12, 12], SamplingParams(temperature=0.7)))
+    check(engine.generate(prompts, [12, 12], SamplingParams(temperature=0.7, top_p=1.0, top_k=-1)))
     with torch.no_grad():
         for p in policy.parameters():
             p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(4)) * 0.05)
     engine.update_weights(export_hf_state_dict(policy, adapter).items(), version=1)
-    check(engine.generate(prompts, [12, 12], SamplingParams(temperature=0.7)))
+    check(engine.generate(prompts, [12, 12], SamplingParams(temperature=0.7, top_p=1.0, top_k=-1)))
 
 
 def test_tensor_parallel_qwen3_5_on_cpu_is_refused_in_one_line(qwen3_5_path):

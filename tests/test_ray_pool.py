@@ -276,7 +276,9 @@ def test_a_rollout_loses_no_episode_to_a_lost_node(connected, extra, tokenizer):
     try:
         jobs = [(task, 0) for task in env.tasks("train")[:8]]
         engine = NodeRemovingEngine(tokenizer, cluster, extra, env)
-        trajectories, _ = run_episodes(engine, env, tokenizer, jobs, budget, SamplingParams())
+        trajectories, _ = run_episodes(
+            engine, env, tokenizer, jobs, budget, SamplingParams(temperature=1.0, top_p=1.0, top_k=-1)
+        )
         assert engine.removed and all(node.open == 0 for node in env.nodes)
     finally:
         env.close()

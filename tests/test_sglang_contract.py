@@ -61,7 +61,7 @@ def canopy_requests(tiny_path, work: Path, routes=ROUTES) -> list:
         engine.generate([[5, 6, 7], [5, 6]], [10, 1], sampling, keys=["e0", "e1"])
         for server in servers:
             server.failures = ["500"]  # both fail once: ejected, retried, re-admitted once /health answers
-        engine.generate([[5]], [4], SamplingParams(), keys=["e2"])
+        engine.generate([[5]], [4], SamplingParams(temperature=1.0, top_p=1.0, top_k=-1), keys=["e2"])
         deadline = time.monotonic() + 10
         while engine.router.counts["readmissions"] < engine.router.counts["ejections"] and time.monotonic() < deadline:
             time.sleep(0.01)

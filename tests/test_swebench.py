@@ -236,12 +236,26 @@ def test_every_reward_observation_and_quarantine_through_the_pool(generated):
         tokenizer, scripts | {"token_budget": [bash("ls " * 200)], "context_limit": [bash("seq 5000")]}
     )
     try:
-        trajectories, _ = run_episodes(engine, pool, tokenizer, [(t, 0) for t in tasks], BUDGET, SamplingParams())
+        trajectories, _ = run_episodes(
+            engine,
+            pool,
+            tokenizer,
+            [(t, 0) for t in tasks],
+            BUDGET,
+            SamplingParams(temperature=1.0, top_p=1.0, top_k=-1),
+        )
         for limit, budget in (  # the budget's other limits, each on one episode
             ("token_budget", dataclasses.replace(BUDGET, max_response_tokens=900)),
             ("context_limit", dataclasses.replace(BUDGET, max_context_tokens=10000)),
         ):
-            (t,), _ = run_episodes(engine, pool, tokenizer, [(tagged(a, limit), 0)], budget, SamplingParams())
+            (t,), _ = run_episodes(
+                engine,
+                pool,
+                tokenizer,
+                [(tagged(a, limit), 0)],
+                budget,
+                SamplingParams(temperature=1.0, top_p=1.0, top_k=-1),
+            )
             assert t.ending == limit and t.verdict.outcome == "no_submission" and t.reward("sparse") == -0.2
     finally:
         pool.close()
@@ -379,7 +393,9 @@ def kill_worker_mid_command(generated, tmp_path, runtime: dict, inspect_live) ->
     result = {}
     thread = threading.Thread(
         target=lambda: result.update(
-            trajectories=run_episodes(engine, pool, tokenizer, job, BUDGET, SamplingParams())[0]
+            trajectories=run_episodes(
+                engine, pool, tokenizer, job, BUDGET, SamplingParams(temperature=1.0, top_p=1.0, top_k=-1)
+            )[0]
         )
     )
     thread.start()
@@ -618,7 +634,12 @@ def test_container_runtimes_score_and_clean_up_like_bwrap(generated, tmp_path, e
     )
     try:
         trajectories, _ = run_episodes(
-            TaskScriptedEngine(tokenizer, scripts), pool, tokenizer, [(t, 0) for t in tasks], BUDGET, SamplingParams()
+            TaskScriptedEngine(tokenizer, scripts),
+            pool,
+            tokenizer,
+            [(t, 0) for t in tasks],
+            BUDGET,
+            SamplingParams(temperature=1.0, top_p=1.0, top_k=-1),
         )
     finally:
         pool.close()

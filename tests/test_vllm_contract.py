@@ -183,7 +183,7 @@ def test_every_reply_field_canopy_reads_is_in_the_releases_response(tiny_path, t
     server = FakeVLLM()
     try:
         engine = vllm_engine_for(tiny_path, tmp_path, [server])
-        body = engine.backend.request_body([5, 6], 4, SamplingParams())
+        body = engine.backend.request_body([5, 6], 4, SamplingParams(temperature=1.0, top_p=1.0, top_k=-1))
         reads = set()
         reply = json.loads(json.dumps(http_fleet.request(server.url + engine.backend.generate_path, body, 10)))
         engine.backend.parse(Recorded(reply, (), reads), 0)

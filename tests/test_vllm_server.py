@@ -31,7 +31,7 @@ pytestmark = pytest.mark.slow
 CONTEXT = 1024
 BUDGET = Budget(max_turns=6, max_response_tokens=200, max_prompt_tokens=256, max_observation_tokens=16,
                 max_context_tokens=CONTEXT)  # fmt: skip
-TRAINING = SamplingParams(temperature=0.7)
+TRAINING = SamplingParams(temperature=0.7, top_p=1.0, top_k=-1)
 
 
 class WordsEpisode(CountdownEpisode):

@@ -17,9 +17,12 @@ from canopy.errors import require
 
 @dataclass
 class SamplingParams:
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1  # -1: no top-k filter
+    """`sampling.*` (and a budget group's `eval.enlarged.sampling`): the schema; each budget group, conf/budget/*.yaml,
+    writes its values."""
+
+    temperature: float
+    top_p: float  # 1.0: no nucleus filter
+    top_k: int  # -1: no top-k filter
 
     @classmethod
     def of(cls, sampling) -> "SamplingParams":

@@ -16,6 +16,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
 from canopy.models import family_of
 from canopy.rollout.engine import Generation, SamplingParams
+from canopy.rollout.settings import LocalEngineSettings
 
 
 def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -120,14 +121,18 @@ class LocalEngine:
         pad_token_id: int,
         seed: int = 0,
         rope_scaling: dict | None = None,
-        dtype: str = "float32",
-        device: str = "cpu",
-        session_tokens: int = 131072,
+        settings: LocalEngineSettings | None = None,
     ):
         """`rope_scaling` (e.g. YaRN for the enlarged budget, Appendix I) overrides the HF config's RoPE on load;
-        `session_tokens` caps the tokens kept in sessions (0: none kept, every turn prefills its whole history)."""
+        `settings` is `engine.local` (dtype, device, the session cap; its schema's defaults when not given)."""
+        self.settings = settings = settings or LocalEngineSettings()
         self.model_path, self.rope_scaling, self.seed = model_path, rope_scaling, seed
-        self.dtype, self.device, self.session_tokens = dtype, torch.device(device), session_tokens
+        self.dtype, self.device, self.session_tokens = (
+            settings.dtype,
+            torch.device(settings.device),
+            settings.session_tokens,
+        )
+        dtype = settings.dtype
         self.siblings: dict[str, LocalEngine] = {}  # the same weights at other RoPE scalings, by `at_budget`
         config = AutoConfig.from_pretrained(model_path)
         if rope_scaling:
@@ -175,14 +180,7 @@ class LocalEngine:
         if key not in self.siblings:
             stops = self.stop_token_ids.tolist()
             self.siblings[key] = LocalEngine(
-                self.model_path,
-                stops,
-                self.pad_token_id,
-                self.seed,
-                rope_scaling,
-                self.dtype,
-                str(self.device),
-                self.session_tokens,
+                self.model_path, stops, self.pad_token_id, self.seed, rope_scaling, self.settings
             )
         sibling = self.siblings[key]
         if sibling.weight_version != self.weight_version:

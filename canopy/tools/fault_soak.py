@@ -195,7 +195,7 @@ def run_soak(pool: EnvironmentPool, make_jobs, agent_class, classify, budget: Bu
             tokenizer,
             [(job.task, 0) for job in jobs],
             budget,
-            SamplingParams(),
+            SamplingParams(temperature=1.0, top_p=1.0, top_k=-1),
             seed=seed,
             description="fault soak",
         )
