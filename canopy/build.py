@@ -49,7 +49,7 @@ def build_env(cfg: DictConfig, log_dir: str | Path | None = None):
     if cfg.env.ray.address is not None:
         from canopy.envs.ray_pool import RayEnvironment  # imports ray only when it joins the cluster
 
-        return RayEnvironment(factory, kwargs, settings, log_dir=log_dir, **OmegaConf.to_container(cfg.env.ray))
+        return RayEnvironment(factory, kwargs, settings, OmegaConf.to_object(cfg.env.ray), log_dir=log_dir)
     if settings.workers:
         return EnvironmentPool(factory, kwargs, settings, log_dir=log_dir)
     return build_environment(factory, kwargs)
@@ -75,7 +75,7 @@ def build_engine(cfg: DictConfig, model_path: str, tokenizer):
     return SERVER_ENGINES[settings.name](
         model_path,
         stop,
-        settings.served,
+        settings.chosen,
         context_length=cfg.budget.max_context_tokens,
         rope_scaling=rope_scaling,
         seed=cfg.seed,

@@ -16,7 +16,7 @@ from canopy.envs.embedded import EmbeddedEnvironment, VaultEpisode
 from canopy.envs.fault_injection import FaultInjectingEnvironment, InjectedEpisode
 from canopy.envs.pool import EnvironmentPool, PoolSettings
 from canopy.envs.python_tasks import PythonTaskEnvironment, PythonTaskEpisode
-from canopy.envs.ray_pool import RayEnvironment
+from canopy.envs.ray_pool import RayEnvironment, RaySettings
 from canopy.envs.remote import RemoteEpisode
 from canopy.envs.rgym import RGymEnvironment, RGymEpisode
 from canopy.envs.swe_fault_injection import FaultInjectingSWEEnvironment, InjectedSWEEpisode
@@ -114,7 +114,9 @@ def test_the_instances_carry_what_their_classes_declare(tmp_path):
         GatedEnvironment(str(gate)),
         letters()["LettersEnvironment"](),
         EnvironmentPool("canopy.envs.embedded:EmbeddedEnvironment", {}, PoolSettings(workers=3)),  # starts nothing
-        RayEnvironment("canopy.envs.embedded:EmbeddedEnvironment", {}, PoolSettings(workers=2), "auto"),
+        RayEnvironment(
+            "canopy.envs.embedded:EmbeddedEnvironment", {}, PoolSettings(workers=2), RaySettings(address="auto")
+        ),
     ]
     for instance in instances:
         for name in ("name", "max_concurrent_episodes"):

@@ -17,7 +17,7 @@ from canopy.config import compose_config, validate
 from canopy.envs import ray_pool
 from canopy.envs.base import AgentFailure, EnvironmentFault, SystemicFaultError, Task
 from canopy.envs.pool import EnvironmentPool, PoolSettings
-from canopy.envs.ray_pool import RayEnvironment
+from canopy.envs.ray_pool import RayEnvironment, RaySettings
 from canopy.errors import ConfigError
 from canopy.reports.tb_scalars import read_scalars
 from canopy.rollout.agent_loop import run_episodes
@@ -127,7 +127,7 @@ def submit_all(env, tasks):
 
 @pytest.mark.slow
 def test_episodes_spread_over_the_nodes_with_the_verdicts_of_one_pool(cluster):
-    env = RayEnvironment(PYTHON_TASKS, {"sandbox": SANDBOX}, SETTINGS, cluster.address)
+    env = RayEnvironment(PYTHON_TASKS, {"sandbox": SANDBOX}, SETTINGS, RaySettings(address=cluster.address))
     try:
         tasks = env.tasks("train")[:6]
         assert env.max_concurrent_episodes == 4  # 2 nodes x 2 workers
@@ -160,8 +160,7 @@ def test_faults_on_a_remote_node_arrive_as_themselves(connected):
         "canopy.envs.fault_injection:FaultInjectingEnvironment",
         {"sandbox": SANDBOX},
         SETTINGS,
-        cluster.address,
-        workers_per_node=1,
+        RaySettings(address=cluster.address, workers_per_node=1),
     )
     try:
         episodes = [env.start(killing, seed=0) for _ in range(2)]  # one on each node
@@ -181,7 +180,9 @@ def test_faults_on_a_remote_node_arrive_as_themselves(connected):
     finally:
         env.close()
     assert ray.is_initialized()  # joined before: the environment leaves it joined
-    broken = RayEnvironment("canopy.envs.no_such_module:Nothing", {}, SETTINGS, cluster.address, workers_per_node=1)
+    broken = RayEnvironment(
+        "canopy.envs.no_such_module:Nothing", {}, SETTINGS, RaySettings(address=cluster.address, workers_per_node=1)
+    )
     try:
         with pytest.raises(SystemicFaultError, match="on Ray node .* worker for canopy.envs.no_such_module"):
             broken.tasks("train")  # a node's workers cannot start: a broken setup stops the run
@@ -192,7 +193,9 @@ def test_faults_on_a_remote_node_arrive_as_themselves(connected):
 @pytest.mark.slow
 def test_a_lost_node_quarantines_its_episodes_and_takes_no_new_ones(connected, extra):
     cluster = connected
-    env = RayEnvironment(PYTHON_TASKS, {"sandbox": SANDBOX}, SETTINGS, cluster.address, workers_per_node=1)
+    env = RayEnvironment(
+        PYTHON_TASKS, {"sandbox": SANDBOX}, SETTINGS, RaySettings(address=cluster.address, workers_per_node=1)
+    )
     try:
         tasks = env.tasks("train")
         episodes = [env.start(task, seed=0) for task in tasks[:3]]  # one on each of the 3 nodes
@@ -230,7 +233,9 @@ def test_a_node_that_does_not_answer_in_time_is_lost(connected, monkeypatch):
     monkeypatch.setattr(
         ray_pool, "call_timeout", lambda settings, op: 3.0 if op == "step" else pool_timeout(settings, op)
     )
-    env = RayEnvironment(PYTHON_TASKS, {"sandbox": SANDBOX}, SETTINGS, connected.address, workers_per_node=1)
+    env = RayEnvironment(
+        PYTHON_TASKS, {"sandbox": SANDBOX}, SETTINGS, RaySettings(address=connected.address, workers_per_node=1)
+    )
     try:
         task = env.tasks("train")[0]
         episodes = [env.start(task, seed=0) for _ in range(2)]
@@ -269,7 +274,12 @@ class NodeRemovingEngine(ScriptedEngine):
 @pytest.mark.slow
 def test_a_rollout_loses_no_episode_to_a_lost_node(connected, extra, tokenizer):
     cluster = connected
-    env = RayEnvironment("canopy.envs.embedded:EmbeddedEnvironment", {}, SETTINGS, cluster.address, workers_per_node=1)
+    env = RayEnvironment(
+        "canopy.envs.embedded:EmbeddedEnvironment",
+        {},
+        SETTINGS,
+        RaySettings(address=cluster.address, workers_per_node=1),
+    )
     budget = Budget(
         max_turns=2, max_response_tokens=64, max_prompt_tokens=128, max_observation_tokens=32, max_context_tokens=1024
     )

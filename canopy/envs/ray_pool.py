@@ -156,15 +156,14 @@ class RayEnvironment:
         factory: str,
         kwargs: dict,
         settings: PoolSettings,
-        address: str,
-        nodes: int | None = None,
-        workers_per_node: int | None = None,
+        ray: RaySettings,
         log_dir: str | Path | None = None,
     ):
-        """Cheap: the cluster is joined on first use. `settings` are each node's pool's, with `workers_per_node`
-        workers (default `settings.workers`); `nodes` caps the nodes used (default every alive node with CPUs)."""
-        self.factory, self.kwargs, self.address, self.node_cap = factory, kwargs, address, nodes
-        self.settings = replace(settings, workers=workers_per_node or settings.workers)
+        """Cheap: the cluster is joined on first use, at `ray.address`. `settings` are each node's pool's, with
+        `ray.workers_per_node` workers (null: `settings.workers`); `ray.nodes` caps the nodes used (null: every alive
+        node with CPUs)."""
+        self.factory, self.kwargs, self.address, self.node_cap = factory, kwargs, ray.address, ray.nodes
+        self.settings = replace(settings, workers=ray.workers_per_node or settings.workers)
         self.log_dir = str(log_dir) if log_dir is not None else None
         self.name = f"ray:{factory}"
         self.ray = None  # the ray module, once joined

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from canopy.errors import is_int, require
 from canopy.mismatch import GapBounds
-from canopy.rollout.sglang.settings import SGLangSettings, serving_dtype
+from canopy.rollout.sglang.settings import SGLangSettings
 from canopy.rollout.vllm.settings import VLLMSettings
 
 ENGINES = ("local", "sglang", "vllm")
@@ -39,6 +39,10 @@ class LocalEngineSettings:
             f"engine.local.session_tokens={self.session_tokens!r} must be an integer >= 0 (0: no sessions kept)",
         )
 
+    def compute_dtype(self, model_path: str) -> str:
+        """The dtype the engine computes in: `dtype`."""
+        return self.dtype
+
 
 @dataclass
 class EngineSettings:
@@ -59,16 +63,14 @@ class EngineSettings:
         if self.name == "local":
             self.local.validate()
         else:
-            self.served.validate(accelerator, trainer_devices)
+            self.chosen.validate(accelerator, trainer_devices)
 
     @property
-    def served(self) -> SGLangSettings | VLLMSettings:
-        """A server engine's own settings, `engine.<name>`."""
-        return {"sglang": self.sglang, "vllm": self.vllm}[self.name]
+    def chosen(self) -> LocalEngineSettings | SGLangSettings | VLLMSettings:
+        """The chosen engine's own settings, `engine.<name>`."""
+        return getattr(self, self.name)
 
     def compute_dtype(self, model_path: str) -> str:
-        """The dtype the engine computes in, known before (and without) building it: SGLang's from its launch flags
-        or the checkpoint at `model_path`."""
-        if self.name == "sglang":
-            return serving_dtype(self.sglang.extra_args, model_path)
-        return self.vllm.dtype if self.name == "vllm" else self.local.dtype
+        """The dtype the chosen engine computes in, known before (and without) building it: SGLang's from its launch
+        flags or the checkpoint at `model_path`."""
+        return self.chosen.compute_dtype(model_path)

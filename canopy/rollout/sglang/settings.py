@@ -113,6 +113,10 @@ class SGLangSettings:
 def gpu_names(gpus: range) -> str:
     return f"GPU {gpus.start}" if len(gpus) == 1 else f"GPUs {gpus.start}-{gpus.stop - 1}"
 
+    def compute_dtype(self, model_path: str | Path) -> str:
+        """The dtype the servers will compute in, known before launching them (`serving_dtype`)."""
+        return serving_dtype(self.extra_args, model_path)
+
 
 def serving_dtype(extra_args: list[str], model_path: str | Path) -> str:
     """The dtype SGLang computes in: `--dtype` when given, else its "auto" rule on the checkpoint's config.json

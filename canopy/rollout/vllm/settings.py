@@ -107,3 +107,7 @@ class VLLMSettings:
             f"engine.vllm.sync_dir={self.sync_dir} is relative, but the servers {remote} run elsewhere and read the "
             "weights from it: set it to a shared directory's absolute path",
         )
+
+    def compute_dtype(self, model_path: str) -> str:
+        """The dtype the servers compute in: `dtype`, their --dtype."""
+        return self.dtype
