@@ -61,7 +61,7 @@ from canopy.config import compose_config  # noqa: E402
 from canopy.modules.logprobs import model_token_logprobs, sequence_inputs  # noqa: E402
 from canopy.modules.policy import load_policy  # noqa: E402
 from canopy.reports.viewer import build_viewer  # noqa: E402
-from canopy.trajectories import INDEX, Sampling, TrajectoryLog, read_index  # noqa: E402
+from canopy.trajectories import INDEX, Sampling, TrajectoryLog, read_index, sampling_of  # noqa: E402
 
 DESIGNS = ("thread", "process")  # the writer as it was (a thread of the training process), and as it is
 
@@ -151,7 +151,9 @@ def in_process(args) -> None:
         """A writer of its own folder, pruned as it grows (unsaid: the busy ones write hundreds of steps)."""
         (out / name).mkdir()
         made = trajectories.Writer(
-            out / name, trajectories.writer_decoder(datamodule.tokenizer), Sampling(max_disk_mb=20)
+            out / name,
+            trajectories.writer_decoder(datamodule.tokenizer),
+            dataclasses.replace(sampling_of(cfg.trajectories), max_disk_mb=20),
         )
         made.pruned_said = True
         return made
@@ -162,7 +164,7 @@ def in_process(args) -> None:
             out / "one_step_process" / "trajectories",
             datamodule.tokenizer,
             model_path,
-            Sampling(),
+            sampling_of(cfg.trajectories),
             cfg.algorithm.reward,
         ),
     }

@@ -44,13 +44,13 @@ INDEX = "index.jsonl"  # per stream: one summary line per logged step (the viewe
 
 @dataclass(frozen=True)
 class Sampling:
-    """Which episodes are logged (`trajectories.*` in the config)."""
+    """Which episodes are logged: `trajectories.*` as `sampling_of` reads it (conf/train.yaml holds the defaults)."""
 
-    every_n_steps: int = 1
-    tasks: tuple[str, ...] | None = None  # only these tasks' groups
-    groups_per_tier: int | None = None  # only the first k groups of each tier, per step
-    token_ids: bool = True  # keep ids and mask for `replay` (the text alone is several times smaller)
-    max_disk_mb: float = 2048.0
+    every_n_steps: int
+    tasks: tuple[str, ...] | None  # only these tasks' groups
+    groups_per_tier: int | None  # only the first k groups of each tier, per step
+    token_ids: bool  # keep ids and mask for `replay` (the text alone is several times smaller)
+    max_disk_mb: float
 
     def groups(self, stream: str, step: int, groups: list[list[Trajectory]]) -> list[int]:
         """The indices of the step's groups to log (`every_n_steps` thins the training steps; evaluations are rare

@@ -341,3 +341,10 @@ def datamodule_over(env, engine, tokenizer, *, budget: Budget, seed: int = 0, tr
         seed=seed,
         trajectory_log=trajectory_log,
     )
+
+
+def logged_episodes(**values):
+    """`trajectories.*` as conf/train.yaml composes it (every episode of every step), with `values` replaced."""
+    from canopy.trajectories import sampling_of
+
+    return dataclasses.replace(sampling_of(section("trajectories")), **values)

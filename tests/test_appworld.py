@@ -20,7 +20,7 @@ from canopy.rollout.agent_loop import run_episodes
 from canopy.rollout.budget import Budget
 from canopy.rollout.engine import Generation, SamplingParams
 from canopy.tiny_model import build_byte_tokenizer
-from tests.helpers import APPWORLD_PYTHON, APPWORLD_SETTINGS, APPWORLD_SYNTHETIC_DATA, ROOT, code
+from tests.helpers import APPWORLD_PYTHON, APPWORLD_SETTINGS, APPWORLD_SYNTHETIC_DATA, ROOT, code, logged_episodes
 from tests.scripted import FakeEngine
 
 pytestmark = pytest.mark.skipif(not APPWORLD_PYTHON.is_file(), reason="AppWorld's venv is missing: run `make appworld`")
@@ -138,11 +138,11 @@ def test_appworld_episodes_are_logged_and_shown_in_the_viewer(scripted, tmp_path
     """The trajectory log and the rollout viewer on AppWorld: the policy's code and the real app's answer, turn by
     turn in a headless Chromium; the wrong answer's episode with its partial verdict and zero reward."""
     from canopy.reports.viewer import build_viewer
-    from canopy.trajectories import Sampling, TrajectoryLog, read_step
+    from canopy.trajectories import TrajectoryLog, read_step
     from tests.helpers import dom, element
 
     tokenizer, tasks, trajectories = scripted
-    log = TrajectoryLog(tmp_path / "trajectories", tokenizer, "m", Sampling(), "sparse")
+    log = TrajectoryLog(tmp_path / "trajectories", tokenizer, "m", logged_episodes(), "sparse")
     log.log_step("eval_appworld", 0, [[t] for t in trajectories])
     log.close()
     records = read_step(tmp_path / "trajectories" / "eval_appworld" / "step_000000.jsonl.gz")

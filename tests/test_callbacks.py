@@ -30,8 +30,8 @@ from canopy.mismatch import OffPolicyError
 from canopy.reports.tb_scalars import read_scalars
 from canopy.rollout.local import LocalEngine
 from canopy.step import StepStats, same_task_groups
-from canopy.trajectories import Sampling, TrajectoryLog, read_step
-from tests.helpers import config, trajectory
+from canopy.trajectories import TrajectoryLog, read_step
+from tests.helpers import config, logged_episodes, trajectory
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -227,7 +227,7 @@ def test_budget_transfer_evaluates_both_budgets_with_the_runs_own_engine(tiny_pa
     engine.weight_version = 7
     training_sampler = engine.generator.get_state()
     logger = SimpleNamespace(logged={}, log_metrics=lambda metrics, step: logger.logged.update(metrics))
-    log = TrajectoryLog(tmp_path / "trajectories", tokenizer, tiny_path, Sampling(), "sparse")
+    log = TrajectoryLog(tmp_path / "trajectories", tokenizer, tiny_path, logged_episodes(), "sparse")
     datamodule = SimpleNamespace(
         engine=engine, env=EmbeddedEnvironment(), tokenizer=tokenizer, max_quarantine_fraction=0.5, trajectory_log=log
     )

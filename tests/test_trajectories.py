@@ -19,7 +19,6 @@ from canopy.envs.base import Task
 from canopy.envs.embedded import EmbeddedEnvironment
 from canopy.errors import ConfigError
 from canopy.trajectories import (
-    Sampling,
     TrajectoryLog,
     expand_runs,
     lower_to_idle_priority,
@@ -28,7 +27,7 @@ from canopy.trajectories import (
     read_step,
     sampling_of,
 )
-from tests.helpers import HEAVY, datamodule, imports_of, trajectory
+from tests.helpers import HEAVY, datamodule, imports_of, logged_episodes, trajectory
 from tests.scripted import ScriptedEngine
 
 
@@ -41,7 +40,7 @@ def test_mask_runs_start_with_zeros_and_invert():
 
 def logged_step(tokenizer, tmp_path, replies, **sampling):
     """One datamodule step of the vault world with a trajectory log; returns (batch, the step's records)."""
-    log = TrajectoryLog(tmp_path / "trajectories", tokenizer, "model/path", Sampling(**sampling), "sparse")
+    log = TrajectoryLog(tmp_path / "trajectories", tokenizer, "model/path", logged_episodes(**sampling), "sparse")
     dm = datamodule(tokenizer, ScriptedEngine(tokenizer, replies), trajectory_log=log)
     batch = dm.next_batch()
     dm.teardown("fit")
@@ -102,7 +101,7 @@ def test_the_writer_is_a_process_at_idle_priority_and_the_training_thread_keeps_
     probe.start()
     probe.join()
     assert seen == [os.SCHED_IDLE] and os.sched_getscheduler(0) == os.SCHED_OTHER  # per thread, not the process
-    log = TrajectoryLog(tmp_path, tokenizer, "m", Sampling(), "sparse")
+    log = TrajectoryLog(tmp_path, tokenizer, "m", logged_episodes(), "sparse")
     dm = datamodule(tokenizer, ScriptedEngine(tokenizer, ["login", "key", "unlock"]), trajectory_log=log)
     dm.next_batch()
     written = tmp_path / "train" / "step_000000.jsonl.gz"
@@ -118,9 +117,9 @@ KILLED_TRAINER = """
 import os, signal, sys
 from transformers import AutoTokenizer
 from canopy.envs.base import Task
-from canopy.trajectories import Sampling, TrajectoryLog
-from tests.helpers import trajectory
-log = TrajectoryLog(sys.argv[2], AutoTokenizer.from_pretrained(sys.argv[1]), "m", Sampling(), "sparse")
+from canopy.trajectories import TrajectoryLog
+from tests.helpers import logged_episodes, trajectory
+log = TrajectoryLog(sys.argv[2], AutoTokenizer.from_pretrained(sys.argv[1]), "m", logged_episodes(), "sparse")
 for step in range(3):
     log.log_step("train", step, [[trajectory(Task("a", 1, "s"), i, success=True, length=50) for i in range(8)]])
 log.queue.join()  # the three steps are in the pipe (a step still in the trainer's queue dies with it)
@@ -152,7 +151,11 @@ def test_the_writer_entry_point_writes_what_it_is_handed_without_torch(tokenizer
     a = Task("a", 1, "s")
     episodes = [plain_episode(0, trajectory(a, i, success=i == 0, length=30), 0.5, "sparse") for i in range(3)]
     (tmp_path / "blocked").write_text("a file where the stream's folder should be")
-    handed = [Writer(tmp_path, writer_decoder(tokenizer), Sampling()), ("train", 4, episodes), ("blocked", 5, [])]
+    handed = [
+        Writer(tmp_path, writer_decoder(tokenizer), logged_episodes()),
+        ("train", 4, episodes),
+        ("blocked", 5, []),
+    ]
     modules, ran = imports_of(
         "canopy.trajectory_writer", tmp_path=tmp_path, input=b"".join(map(pickle.dumps, [*handed, None]))
     )
@@ -166,7 +169,7 @@ def test_the_writer_entry_point_writes_what_it_is_handed_without_torch(tokenizer
 
 def test_a_dead_writer_stops_the_step_with_its_cause(tokenizer, tmp_path):
     a = Task("a", 1, "s")
-    log = TrajectoryLog(tmp_path, tokenizer, "m", Sampling(), "sparse")
+    log = TrajectoryLog(tmp_path, tokenizer, "m", logged_episodes(), "sparse")
     log.log_step("train", 0, [[trajectory(a, 0, success=True)]])
     log.process.kill()
     log.process.wait()
@@ -184,7 +187,7 @@ def test_the_index_keeps_the_last_line_of_a_step_and_skips_a_torn_one(tmp_path):
 
 
 def test_quarantined_episodes_are_logged_with_their_fault_and_no_reward(tokenizer, tmp_path):
-    log = TrajectoryLog(tmp_path, tokenizer, "m", Sampling(), "sparse")
+    log = TrajectoryLog(tmp_path, tokenizer, "m", logged_episodes(), "sparse")
     dm = datamodule(tokenizer, ScriptedEngine(tokenizer, ["login", "key", "unlock"]), trajectory_log=log)
     dm.env = EmbeddedEnvironment(fault_rate=0.15)
     batch = dm.next_batch()
@@ -202,13 +205,13 @@ def test_quarantined_episodes_are_logged_with_their_fault_and_no_reward(tokenize
 def test_sampling_keeps_the_named_tasks_or_k_groups_per_tier_every_nth_step():
     tasks = [Task(f"t{i}", tier, "s") for i, tier in enumerate([1, 3, 1, 3, 1, 2])]
     groups = [[trajectory(task, i, success=True) for i in range(2)] for task in tasks]
-    assert Sampling().groups("train", 0, groups) == list(range(6))
-    assert Sampling(every_n_steps=5).groups("train", 3, groups) == []
-    assert Sampling(every_n_steps=5).groups("train", 10, groups) == list(range(6))
-    assert Sampling(every_n_steps=5).groups("eval_dev", 3, groups) == list(range(6))  # evaluations: every one
-    assert Sampling(tasks=("t1", "t4")).groups("train", 0, groups) == [1, 4]
-    assert Sampling(groups_per_tier=1).groups("train", 0, groups) == [0, 1, 5]
-    assert Sampling(groups_per_tier=2, tasks=("t0", "t2", "t4")).groups("train", 0, groups) == [0, 2]
+    assert logged_episodes().groups("train", 0, groups) == list(range(6))
+    assert logged_episodes(every_n_steps=5).groups("train", 3, groups) == []
+    assert logged_episodes(every_n_steps=5).groups("train", 10, groups) == list(range(6))
+    assert logged_episodes(every_n_steps=5).groups("eval_dev", 3, groups) == list(range(6))  # evaluations: every one
+    assert logged_episodes(tasks=("t1", "t4")).groups("train", 0, groups) == [1, 4]
+    assert logged_episodes(groups_per_tier=1).groups("train", 0, groups) == [0, 1, 5]
+    assert logged_episodes(groups_per_tier=2, tasks=("t0", "t2", "t4")).groups("train", 0, groups) == [0, 2]
 
 
 def test_text_only_logs_leave_out_the_ids(tokenizer, tmp_path):
@@ -220,11 +223,11 @@ def test_text_only_logs_leave_out_the_ids(tokenizer, tmp_path):
 def test_disk_bound_removes_the_oldest_steps_and_says_so_once(tokenizer, tmp_path):
     a = Task("a", 1, "s")
     group = [[trajectory(a, i, success=i % 2 == 0, length=400) for i in range(8)]]
-    probe = TrajectoryLog(tmp_path / "probe", tokenizer, "m", Sampling(), "sparse")
+    probe = TrajectoryLog(tmp_path / "probe", tokenizer, "m", logged_episodes(), "sparse")
     probe.log_step("train", 0, group)
     probe.close()
     size = (tmp_path / "probe" / "train" / "step_000000.jsonl.gz").stat().st_size
-    log = TrajectoryLog(tmp_path / "run", tokenizer, "m", Sampling(max_disk_mb=2.5 * size / 2**20), "sparse")
+    log = TrajectoryLog(tmp_path / "run", tokenizer, "m", logged_episodes(max_disk_mb=2.5 * size / 2**20), "sparse")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for step in range(6):
@@ -235,7 +238,7 @@ def test_disk_bound_removes_the_oldest_steps_and_says_so_once(tokenizer, tmp_pat
     assert left == ["step_000004.jsonl.gz", "step_000005.jsonl.gz"]  # within 2.5 files, newest kept
     assert [str(w.message).count("removing the oldest step files") for w in caught] == [1]
     assert not list((tmp_path / "run").rglob("*.tmp"))  # nothing half-written
-    resumed = TrajectoryLog(tmp_path / "run", tokenizer, "m", Sampling(max_disk_mb=2.5 * size / 2**20), "sparse")
+    resumed = TrajectoryLog(tmp_path / "run", tokenizer, "m", logged_episodes(max_disk_mb=2.5 * size / 2**20), "sparse")
     with pytest.warns(UserWarning, match="from train/step_000004.jsonl.gz on"):
         resumed.log_step("train", 6, group)  # a resumed run counts the files already there
         resumed.close()
@@ -247,7 +250,7 @@ def test_disk_bound_removes_the_oldest_steps_and_says_so_once(tokenizer, tmp_pat
 
 def test_a_write_failure_is_said_and_later_steps_still_written(tokenizer, tmp_path):
     a = Task("a", 1, "s")
-    log = TrajectoryLog(tmp_path, tokenizer, "m", Sampling(), "sparse")
+    log = TrajectoryLog(tmp_path, tokenizer, "m", logged_episodes(), "sparse")
     log.log_step("train", 0, [[trajectory(a, 0, success=True)]])
     log.close()
     (tmp_path / "blocked").write_text("a file where the stream's folder should be")
@@ -287,7 +290,7 @@ def replay_output(capsys, *argv) -> str:
 
 
 def test_replay_prints_the_episode_token_exact_with_its_masks(tokenizer, tiny_path, tmp_path, capsys):
-    log = TrajectoryLog(tmp_path / "trajectories", tokenizer, tiny_path, Sampling(), "sparse")
+    log = TrajectoryLog(tmp_path / "trajectories", tokenizer, tiny_path, logged_episodes(), "sparse")
     dm = datamodule(tokenizer, ScriptedEngine(tokenizer, ["guest login", "keyless key"]), trajectory_log=log)
     dm.next_batch()
     log.close()
@@ -326,11 +329,13 @@ def test_replay_flags_a_segment_that_re_tokenizes_differently(tmp_path):
 
 
 def test_replay_names_what_is_there_when_asked_for_what_is_not(tokenizer, tiny_path, tmp_path, capsys):
-    log = TrajectoryLog(tmp_path / "trajectories", tokenizer, tiny_path, Sampling(groups_per_tier=1), "sparse")
+    log = TrajectoryLog(tmp_path / "trajectories", tokenizer, tiny_path, logged_episodes(groups_per_tier=1), "sparse")
     a = Task("a", 1, "s")
     log.log_step("train", 3, [[trajectory(a, i, success=True) for i in range(2)]])
     log.close()
-    text_only = TrajectoryLog(tmp_path / "trajectories", tokenizer, tiny_path, Sampling(token_ids=False), "sparse")
+    text_only = TrajectoryLog(
+        tmp_path / "trajectories", tokenizer, tiny_path, logged_episodes(token_ids=False), "sparse"
+    )
     text_only.log_step("train", 4, [[trajectory(a, 0, success=True)]])
     text_only.close()
     cases = [

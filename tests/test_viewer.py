@@ -12,8 +12,8 @@ import matplotlib
 import pytest
 
 from canopy.reports.viewer import build_viewer, cut
-from canopy.trajectories import Sampling, TrajectoryLog, read_step
-from tests.helpers import HEAVY, datamodule, dom, element, imports_of
+from canopy.trajectories import TrajectoryLog, read_step
+from tests.helpers import HEAVY, datamodule, dom, element, imports_of, logged_episodes
 from tests.scripted import ScriptedEngine
 
 matplotlib.use("Agg")
@@ -25,7 +25,7 @@ def run_dir(tmp_path_factory, tokenizer):
     import matplotlib.pyplot as plt
 
     run = tmp_path_factory.mktemp("run")
-    log = TrajectoryLog(run / "trajectories", tokenizer, "m", Sampling(), "sparse")
+    log = TrajectoryLog(run / "trajectories", tokenizer, "m", logged_episodes(), "sparse")
     replies = ["guest login", "keyless key", "locked unlock", "shut open"]
     dm = datamodule(tokenizer, ScriptedEngine(tokenizer, replies), trajectory_log=log)
     for _ in range(3):
@@ -72,7 +72,7 @@ def test_invalid_actions_are_marked_counted_filtered_and_curved(tokenizer, tmp_p
     keeps the episodes with one, and the invalid-action share against the step; `episode_address` opens it."""
     from canopy.reports.viewer import episode_address
 
-    log = TrajectoryLog(tmp_path / "run" / "trajectories", tokenizer, "m", Sampling(), "sparse")
+    log = TrajectoryLog(tmp_path / "run" / "trajectories", tokenizer, "m", logged_episodes(), "sparse")
     dm = datamodule(tokenizer, ScriptedEngine(tokenizer, ["hello", "guest login", "vault"]), trajectory_log=log)
     dm.next_batch()
     log.close()
