@@ -80,7 +80,7 @@ class FormatMonitor(L.Callback):
         """The viewer address of the latest invalid episode, where the run logs episodes and builds the viewer (on a
         stop, train.py builds it); else the episode by step, task and sample."""
         step, task, sample = self.example
-        logged = getattr(trainer.datamodule, "trajectory_log", None) is not None
+        logged = trainer.datamodule.trajectory_log is not None
         if logged and any(isinstance(c, RolloutViewer) for c in trainer.callbacks):
             return episode_address(Path(trainer.default_root_dir), "train", step, task, sample)
         return f"step {step}, task {task}, sample {sample} (no rollout viewer in this run)"

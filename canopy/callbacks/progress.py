@@ -35,7 +35,7 @@ class StepProgress(ProgressBar):
 
     def steps(self, trainer: "L.Trainer") -> tuple[int, int]:
         """(rollout steps done, rollout steps of the run)."""
-        updates = getattr(trainer.lightning_module, "updates_per_batch", 1)
+        updates = trainer.lightning_module.updates_per_batch
         return trainer.global_step // updates, -(-trainer.max_steps // updates)
 
     def on_train_start(self, trainer: "L.Trainer", pl_module: "L.LightningModule") -> None:

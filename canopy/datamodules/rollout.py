@@ -179,8 +179,8 @@ class RolloutDataModule(L.LightningDataModule):
         """Every rank's data-parallel shard, gathered once (a collective: every rank asks at its first step)."""
         module = self.trainer.lightning_module
         ranks = [None] * self.trainer.world_size
-        dist.all_gather_object(ranks, data_parallel_rank(getattr(module, "parallel_dims", None)))
-        return ShardLayout([shard for shard, _ in ranks], ranks[0][1], getattr(module, "updates_per_batch", 1))
+        dist.all_gather_object(ranks, data_parallel_rank(module.parallel_dims))
+        return ShardLayout([shard for shard, _ in ranks], ranks[0][1], module.updates_per_batch)
 
     def teardown(self, stage: str) -> None:
         """Write the queued trajectory logs; stop the environment's worker processes, if it has any."""
@@ -204,7 +204,7 @@ class RolloutDataModule(L.LightningDataModule):
         trainer = self.trainer
         if trainer is None or trainer.max_steps <= 0:
             return RolloutStream(self)
-        updates = getattr(trainer.lightning_module, "updates_per_batch", 1)
+        updates = trainer.lightning_module.updates_per_batch
         return RolloutStream(self, -(-trainer.max_steps // updates))
 
     def state_dict(self) -> dict:

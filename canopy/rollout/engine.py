@@ -40,6 +40,8 @@ class EngineFault(RuntimeError):
     """A generation request the serving layer failed (server dead, request aborted or timed out) on every try.
     Not the agent's doing: its episode is quarantined (Appendix G)."""
 
+    worker = None  # no environment worker served it (an `EnvironmentFault` names the pool slot it happened on)
+
     def __init__(self, reason: str, detail: str = ""):
         super().__init__(f"{reason}: {detail}" if detail else reason)
         self.reason, self.detail = reason, detail
