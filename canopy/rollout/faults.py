@@ -30,9 +30,7 @@ def check_systemic_faults(trajectories: list[Trajectory], max_fraction: float, w
             f"(> env.max_quarantine_fraction={max_fraction})"
         )
     else:
-        per_worker = Counter(
-            (t.quarantine, t.fault.worker) for t in quarantined if t.fault.worker is not None
-        )
+        per_worker = Counter((t.quarantine, t.fault.worker) for t in quarantined if t.fault.worker is not None)
         everywhere = [
             r for r in reasons if workers and workers >= 2 and all(per_worker[r, w] >= REPEATS for w in range(workers))
         ]
