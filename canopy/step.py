@@ -203,21 +203,6 @@ class AdaptiveGroups:
             self.estimates.observe(group.task.task_id, group.task.tier, group.successes, len(group.scored))
 
 
-def pack(trajectories: list[Trajectory], advantages: torch.Tensor, pad_token_id: int) -> "RolloutBatch":
-    lengths = torch.tensor([len(t.token_ids) for t in trajectories])
-    width = int(lengths.max()) if len(trajectories) else 1
-    input_ids = torch.full((len(trajectories), width), pad_token_id, dtype=torch.long)
-    action_mask = torch.zeros((len(trajectories), width), dtype=torch.bool)
-    engine_logprobs = torch.zeros((len(trajectories), width))
-    token_versions = torch.full((len(trajectories), width), -1, dtype=torch.long)
-    for row, t in enumerate(trajectories):
-        input_ids[row, : len(t.token_ids)] = torch.tensor(t.token_ids)
-        action_mask[row, : len(t.token_ids)] = torch.tensor(t.action_mask, dtype=torch.bool)
-        engine_logprobs[row, : len(t.token_ids)] = torch.tensor(t.engine_logprobs)
-        token_versions[row, : len(t.token_ids)] = torch.tensor(t.token_versions, dtype=torch.long)
-    return RolloutBatch(input_ids, action_mask, engine_logprobs, token_versions, advantages, lengths, {})
-
-
 @dataclass
 class RolloutBatch:
     """Right-padded sequences of the surviving (non-quarantined) episodes of one step.
@@ -267,3 +252,19 @@ class RolloutBatch:
             self.lengths[indices],
             {},
         )
+
+
+def pack(trajectories: list[Trajectory], advantages: torch.Tensor, pad_token_id: int) -> RolloutBatch:
+    """The survivors right-padded into one `RolloutBatch`, each token with its weight version, in their order."""
+    lengths = torch.tensor([len(t.token_ids) for t in trajectories])
+    width = int(lengths.max()) if len(trajectories) else 1
+    input_ids = torch.full((len(trajectories), width), pad_token_id, dtype=torch.long)
+    action_mask = torch.zeros((len(trajectories), width), dtype=torch.bool)
+    engine_logprobs = torch.zeros((len(trajectories), width))
+    token_versions = torch.full((len(trajectories), width), -1, dtype=torch.long)
+    for row, t in enumerate(trajectories):
+        input_ids[row, : len(t.token_ids)] = torch.tensor(t.token_ids)
+        action_mask[row, : len(t.token_ids)] = torch.tensor(t.action_mask, dtype=torch.bool)
+        engine_logprobs[row, : len(t.token_ids)] = torch.tensor(t.engine_logprobs)
+        token_versions[row, : len(t.token_ids)] = torch.tensor(t.token_versions, dtype=torch.long)
+    return RolloutBatch(input_ids, action_mask, engine_logprobs, token_versions, advantages, lengths, {})

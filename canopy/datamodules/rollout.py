@@ -1,10 +1,9 @@
-"""RolloutDataModule: one fresh, on-policy batch per optimizer step.
+"""RolloutDataModule: one fresh, on-policy batch per optimizer step (Sec. 3.3).
 
-tasks (pool, tiers) -> n rollouts per task -> its `Group` of episodes -> verdicts -> quarantine (drop exogenous
-faults) -> rewards -> group advantages (Eq. 3, population std) -> padded batch, and the step's `StepStats`, gathered
-in one walk over the groups, for the logs and the callbacks. Generation happens when the trainer asks for the batch,
-after the previous step's weights reached the engine; every sampled token carries the weight version that sampled it,
-which the module checks against its own before it learns from the batch.
+tasks (pool, tiers) -> n rollouts per task (`run_episodes`) -> the step's groups, scored and packed (`canopy.step`:
+quarantine, rewards, Eq. 3, `StepStats`) -> the batch, dealt to the data-parallel ranks. Generation happens when the
+trainer asks for the batch, after the previous step's weights reached the engine; every sampled token carries the
+weight version that sampled it, which the module checks against its own before it learns from the batch.
 """
 
 import functools

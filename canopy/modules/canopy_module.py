@@ -187,7 +187,8 @@ class CanopyModule(L.LightningModule):
             {"model_path": model_path, "seed": seed, **{k: asdict(v) for k, v in settings.items()}}
         )
         self.model_path, self.seed, self.engine = model_path, seed, engine
-        self.algorithm, self.optim, self.batching, self.sampling = algorithm, optim, trainer, sampling
+        self.algorithm, self.optim, self.sampling = algorithm, optim, sampling
+        self.batching = trainer  # trainer.* (`self.trainer` is Lightning's Trainer)
         self.parallel, self.correction = parallel, algorithm.rollout_correction
         if self.parallel.cp > 1 and algorithm.loss_aggregation != "token-mean":
             raise ConfigError(CP_SEQ_MEAN)
