@@ -320,16 +320,17 @@ def budget_settings(budget: Budget) -> BudgetSettings:
     return BudgetSettings(name="test", rope_scaling=None, **dataclasses.asdict(budget))
 
 
-def datamodule_over(env, engine, tokenizer, *, budget: Budget, seed: int = 0, trajectory_log=None, **values):
+def datamodule_over(env, engine, tokenizer, *, budget: Budget, seed: int = 0, trajectory_log=None, kind=None, **values):
     """A `RolloutDataModule` with train.yaml's data and algorithm settings but for `values` (and `sampling`,
-    `max_quarantine_fraction`, `rollout_timeout_s`: train.yaml's unless given), over `budget`."""
+    `max_quarantine_fraction`, `rollout_timeout_s`: train.yaml's unless given), over `budget`; `kind` is a subclass
+    to build instead."""
     from canopy.datamodules.rollout import RolloutDataModule
 
     extra = {key: values.pop(key) for key in ("max_quarantine_fraction", "rollout_timeout_s") if key in values}
     sampling = values.pop("sampling", None)
     dealt = deal(values, ("data", "algorithm"))
     cfg = _composed()
-    return RolloutDataModule(
+    return (kind or RolloutDataModule)(
         env,
         engine,
         tokenizer,

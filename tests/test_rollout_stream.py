@@ -22,7 +22,7 @@ from canopy.datamodules.rollout import RolloutDataModule, RolloutStream, split_r
 from canopy.envs.base import SystemicFaultError, Task
 from canopy.envs.embedded import EmbeddedEnvironment
 from canopy.step import pack
-from tests.helpers import BUDGET, trajectory
+from tests.helpers import BUDGET, datamodule_over, trajectory
 from tests.parallel_worker import free_port
 
 ROLLOUT_S, COLLECTIVE_TIMEOUT_S = 3.5, 2
@@ -61,15 +61,14 @@ def rank_main(rank: int, port: int, scenario: str, out: str) -> None:
     parallel_dims_module.device_type = "cpu"
     dims = ParallelDims(dp_replicate=1, dp_shard=2, cp=1, tp=1, pp=1, ep=1, world_size=2)
     dims.build_mesh()
-    dm = SlowRollouts(
+    dm = datamodule_over(
         EmbeddedEnvironment(),
         lambda: None,
         None,
-        split="train",
+        kind=SlowRollouts,
         tasks_per_step=1,
         group_size=5,
         budget=BUDGET,
-        sampling=None,
         rollout_timeout_s=1 if scenario == "follower_gives_up" else 60,
     )
     dm.failure = SystemicFaultError("the environment's workers cannot start") if scenario == "failure" else None

@@ -675,6 +675,7 @@ def test_bwrap_runs_rootless(generated):
             "canopy/__init__.py",
             "canopy/compat.py",
             "canopy/errors.py",
+            "canopy/protocols.py",
             "canopy/envs/__init__.py",
             "canopy/envs/attribution.py",
             "canopy/envs/base.py",
