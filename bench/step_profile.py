@@ -1,0 +1,163 @@
+"""Where a training step's time goes (issue 48): `python train.py` (the embedded default) in this process, its main
+thread's stack sampled every few milliseconds, each step's samples split into phases and what is left of the
+rollout and of the step attributed to the code that was running.
+
+    python bench/step_profile.py [--steps 40] [--top 12] [--interval-ms 2] [--out FILE] [train.py overrides ...]
+
+A sample is the step's when Lightning's `_TrainingEpochLoop.advance` is on the stack. Its phase is the first of
+these on the stack: generation (`LocalEngine.generate`), the rest of the rollout (`RolloutDataModule.next_batch`:
+the environment, the agent loop, scoring, packing), the reference forward (`_logprobs_no_grad`), the update
+(`_optimizer_step`), the weight sync (`EngineHandle.sync`); else "other" (Lightning's loop, hooks, callbacks,
+logging). The rollout's rest and the other time are then attributed to the deepest frame on the stack that is
+Canopy's or Lightning's (file and function). A sample stands for the time since the one before (the sampler waits
+for the GIL while Python code holds it); the sampler thread costs the run some time (it competes for the GIL and the
+CPU), so the phases measured by the run itself (`time/*` in TensorBoard) are printed beside them.
+"""
+
+import argparse
+import runpy
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from canopy.reports.tb_scalars import read_scalars  # noqa: E402
+
+STEP = ("loops/training_epoch_loop.py", "advance")
+PHASES = [  # (phase, (file suffix, function)), the innermost first: a sample's phase is the first found on its stack
+    ("generation", ("rollout/local.py", "generate")),
+    ("rollout rest", ("datamodules/rollout.py", "next_batch")),
+    ("reference", ("modules/canopy_module.py", "_logprobs_no_grad")),
+    ("update", ("modules/canopy_module.py", "_optimizer_step")),
+    ("weight sync", ("rollout/engine.py", "sync")),
+]
+LOGGED = {
+    "generation": "time/generation",
+    "rollout rest": "time/env",
+    "reference": "time/reference",
+    "update": "time/update",
+    "weight sync": "time/weight_sync",
+}
+OWN = ("/canopy/", "/lightning/")  # whose frames the attribution names
+
+
+class StackSampler(threading.Thread):
+    """Samples the main thread's stack, as (file, function) pairs from the outermost frame, every `interval` s."""
+
+    def __init__(self, interval: float):
+        super().__init__(daemon=True)
+        self.interval, self.samples, self.done = interval, [], threading.Event()
+        self.main = threading.main_thread().ident
+
+    def run(self) -> None:
+        last = began = time.perf_counter()
+        while not self.done.is_set():
+            frame, stack = sys._current_frames().get(self.main), []
+            now = time.perf_counter()
+            while frame is not None:
+                stack.append((frame.f_code.co_filename, frame.f_code.co_name))
+                frame = frame.f_back
+            self.samples.append((stack[::-1], now - last))  # the time since the last sample: see `report`
+            last = now
+            time.sleep(self.interval)
+        self.period = (time.perf_counter() - began) / max(1, len(self.samples))
+
+
+def on_stack(stack, where) -> bool:
+    suffix, name = where
+    return any(path.endswith(suffix) and function == name for path, function in stack)
+
+
+def deepest_own(stack) -> str:
+    """The innermost frame of Canopy's or Lightning's code: `path:function`, the path from the package on."""
+    for path, function in reversed(stack):
+        for package in OWN:
+            if package in path:
+                return f"{package.strip('/')}/{path.split(package, 1)[1]}:{function}"
+    return "(elsewhere)"
+
+
+def run_train(steps: int, overrides: list[str], run_dir: Path, interval: float) -> StackSampler:
+    """train.py in this process, sampled; the sampler, stopped."""
+    argv = sys.argv
+    sys.argv = ["train.py", f"trainer.max_steps={steps}", f"hydra.run.dir={run_dir}", *overrides]
+    sampler = StackSampler(interval)
+    sampler.start()
+    try:
+        runpy.run_path(str(ROOT / "train.py"), run_name="__main__")
+    except SystemExit as stop:
+        if stop.code not in (0, None):
+            raise
+    finally:
+        sys.argv = argv
+        sampler.done.set()
+        sampler.join()
+    return sampler
+
+
+def report(sampler: StackSampler, run_dir: Path, steps: int, top: int, command: str) -> str:
+    # each sample stands for the time since the one before: the sampler waits for the GIL while Python code holds it
+    # and gets it at once while a torch kernel runs, so counting samples alone would under-weight Python code
+    in_step = [(stack, seconds) for stack, seconds in sampler.samples if on_stack(stack, STEP)]
+    phase_of = [next((phase for phase, where in PHASES if on_stack(stack, where)), "other") for stack, _ in in_step]
+    seconds: Counter = Counter()
+    for phase, (_, weight) in zip(phase_of, in_step):
+        seconds[phase] += weight / steps
+    logged = read_scalars(run_dir / "tensorboard")
+    means = {phase: statistics.mean(v for _, v in logged[tag]) for phase, tag in LOGGED.items() if tag in logged}
+    lines = [
+        f"`{command}`: {steps} steps, {len(in_step):,} samples in the steps (one every {sampler.period * 1e3:.1f} ms).",
+        "",
+        "| phase | s / step (sampled) | s / step (the run's own `time/*`) |",
+        "|---|---|---|",
+    ]
+    for phase in [phase for phase, _ in PHASES] + ["other"]:
+        logged_value = f"{means[phase]:.3f}" if phase in means else ""
+        lines.append(f"| {phase} | {seconds[phase]:.3f} | {logged_value} |")
+    lines.append(f"| step | {sum(seconds.values()):.3f} | |")
+    for phase in ("rollout rest", "other"):
+        where: Counter = Counter()
+        for (stack, weight), p in zip(in_step, phase_of):
+            if p == phase:
+                where[deepest_own(stack)] += weight / steps
+        lines += [
+            "",
+            f"{phase}, by the innermost frame of Canopy or Lightning:",
+            "",
+            "| code | s / step |",
+            "|---|---|",
+        ]
+        lines += [f"| `{code}` | {s:.4f} |" for code, s in where.most_common(top)]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--top", type=int, default=12, help="code locations listed per attribution")
+    parser.add_argument("--interval-ms", type=float, default=2.0)
+    parser.add_argument("--out", type=Path, help="also write the report (markdown) here")
+    parser.add_argument("overrides", nargs="*", help="train.py overrides (after the two below)")
+    args = parser.parse_args()
+    # no evaluation outside the steps: the base and final reports and the budget transfer sample with the engine too
+    overrides = ["report.eval_samples_per_task=0", "callbacks.budget_transfer=null", *args.overrides]
+    command = " ".join(
+        ["python bench/step_profile.py", f"--steps {args.steps} --interval-ms {args.interval_ms:g}", *args.overrides]
+    )
+    with tempfile.TemporaryDirectory(prefix="step_profile_") as folder:
+        run_dir = Path(folder) / "run"
+        sampler = run_train(args.steps, overrides, run_dir, args.interval_ms / 1e3)
+        text = report(sampler, run_dir, args.steps, args.top, command)
+    print(text)
+    if args.out is not None:
+        args.out.write_text(text)
+
+
+if __name__ == "__main__":
+    main()
