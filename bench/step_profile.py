@@ -101,14 +101,26 @@ def run_train(steps: int, overrides: list[str], run_dir: Path, interval: float) 
     return sampler
 
 
-def report(sampler: StackSampler, run_dir: Path, steps: int, top: int, command: str) -> str:
-    # each sample stands for the time since the one before: the sampler waits for the GIL while Python code holds it
-    # and gets it at once while a torch kernel runs, so counting samples alone would under-weight Python code
-    in_step = [(stack, seconds) for stack, seconds in sampler.samples if on_stack(stack, STEP)]
-    phase_of = [next((phase for phase, where in PHASES if on_stack(stack, where)), "other") for stack, _ in in_step]
+def split(samples: list, steps: int) -> tuple[Counter, dict[str, Counter]]:
+    """Seconds per step by phase, and the rollout's rest and the other time by the innermost Canopy or Lightning
+    frame, from (stack, seconds) samples. Each sample stands for the time since the one before: the sampler waits for
+    the GIL while Python code holds it and gets it at once while a torch kernel runs, so counting samples alone would
+    under-weight Python code."""
     seconds: Counter = Counter()
-    for phase, (_, weight) in zip(phase_of, in_step):
+    where: dict[str, Counter] = {"rollout rest": Counter(), "other": Counter()}
+    for stack, weight in samples:
+        if not on_stack(stack, STEP):
+            continue
+        phase = next((phase for phase, at in PHASES if on_stack(stack, at)), "other")
         seconds[phase] += weight / steps
+        if phase in where:
+            where[phase][deepest_own(stack)] += weight / steps
+    return seconds, where
+
+
+def report(sampler: StackSampler, run_dir: Path, steps: int, top: int, command: str) -> str:
+    seconds, where = split(sampler.samples, steps)
+    in_step = [sample for sample in sampler.samples if on_stack(sample[0], STEP)]
     logged = read_scalars(run_dir / "tensorboard")
     means = {phase: statistics.mean(v for _, v in logged[tag]) for phase, tag in LOGGED.items() if tag in logged}
     lines = [
@@ -121,11 +133,7 @@ def report(sampler: StackSampler, run_dir: Path, steps: int, top: int, command: 
         logged_value = f"{means[phase]:.3f}" if phase in means else ""
         lines.append(f"| {phase} | {seconds[phase]:.3f} | {logged_value} |")
     lines.append(f"| step | {sum(seconds.values()):.3f} | |")
-    for phase in ("rollout rest", "other"):
-        where: Counter = Counter()
-        for (stack, weight), p in zip(in_step, phase_of):
-            if p == phase:
-                where[deepest_own(stack)] += weight / steps
+    for phase, by_code in where.items():
         lines += [
             "",
             f"{phase}, by the innermost frame of Canopy or Lightning:",
@@ -133,7 +141,7 @@ def report(sampler: StackSampler, run_dir: Path, steps: int, top: int, command: 
             "| code | s / step |",
             "|---|---|",
         ]
-        lines += [f"| `{code}` | {s:.4f} |" for code, s in where.most_common(top)]
+        lines += [f"| `{code}` | {s:.4f} |" for code, s in by_code.most_common(top)]
     return "\n".join(lines) + "\n"
 
 

@@ -1,0 +1,33 @@
+"""bench/step_profile.py's attribution, on hand-built samples: a sample's phase is the innermost phase function on
+its stack, it weighs the time since the sample before, and what is outside every phase goes to the innermost frame
+of Canopy's or Lightning's code."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+from step_profile import split  # noqa: E402
+
+STEP = ("/x/site-packages/lightning/pytorch/loops/training_epoch_loop.py", "advance")
+NEXT_BATCH = ("/repo/canopy/datamodules/rollout.py", "next_batch")
+GENERATE = ("/repo/canopy/rollout/local.py", "generate")
+RENDER = ("/repo/canopy/rollout/chat.py", "render_observation")
+TOKENIZER = ("/x/site-packages/transformers/tokenization_utils_base.py", "apply_chat_template")
+UPDATE = ("/repo/canopy/modules/canopy_module.py", "_optimizer_step")
+LOG = ("/x/site-packages/lightning/fabric/loggers/tensorboard.py", "log_metrics")
+
+
+def test_each_sample_goes_to_its_innermost_phase_weighted_by_its_time():
+    samples = [
+        ([STEP, NEXT_BATCH, GENERATE], 0.4),  # generation, though next_batch is on the stack too
+        ([STEP, NEXT_BATCH, RENDER, TOKENIZER], 0.2),  # the rollout's rest, named by Canopy's innermost frame
+        ([STEP, UPDATE], 0.6),
+        ([STEP, LOG], 0.1),  # other: Lightning's frame
+        ([NEXT_BATCH, GENERATE], 5.0),  # outside a step (a base-policy report): not the step's
+    ]
+    seconds, where = split(samples, steps=2)
+    assert seconds == pytest.approx({"generation": 0.2, "rollout rest": 0.1, "update": 0.3, "other": 0.05})
+    assert where["rollout rest"] == pytest.approx({"canopy/rollout/chat.py:render_observation": 0.1})
+    assert where["other"] == pytest.approx({"lightning/fabric/loggers/tensorboard.py:log_metrics": 0.05})
