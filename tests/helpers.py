@@ -295,7 +295,7 @@ def deal(values: dict, nodes: tuple[str, ...]) -> dict[str, dict]:
     """`values` dealt to the sections of `nodes` whose schema has each key; a key none has is an error."""
     dealt = {node: {} for node in nodes}
     for key, value in values.items():
-        node = next((n for n in nodes if key in {f.name for f in dataclasses.fields(type(section(n)))}), None)
+        node = next((n for n in nodes if key in _composed()[n]), None)  # a schema-typed node: its schema's keys
         if node is None:
             raise TypeError(f"{key} is a key of none of {nodes}")
         dealt[node][key] = value

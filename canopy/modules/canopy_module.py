@@ -189,7 +189,7 @@ class CanopyModule(L.LightningModule):
         self.model_path, self.seed, self.engine = model_path, seed, engine
         self.algorithm, self.optim, self.sampling = algorithm, optim, sampling
         self.batching = trainer  # trainer.* (`self.trainer` is Lightning's Trainer)
-        self.parallel, self.correction = parallel, algorithm.rollout_correction
+        self.parallel = parallel
         if self.parallel.cp > 1 and algorithm.loss_aggregation != "token-mean":
             raise ConfigError(CP_SEQ_MEAN)
         self.automatic_optimization = False
@@ -311,9 +311,7 @@ class CanopyModule(L.LightningModule):
                 extras["old_logprobs"] = old_logprobs[rows, :width]
             inputs = sequence_inputs(micro, cp_mesh, **extras)
             logprobs, entropy = self._logprobs(self.policy, inputs)
-            loss, metrics = trained_loss(
-                logprobs, entropy, inputs, micro.advantages, self.algorithm, self.correction, pooled, cp_mesh
-            )
+            loss, metrics = trained_loss(logprobs, entropy, inputs, micro.advantages, self.algorithm, pooled, cp_mesh)
             self.manual_backward(loss if real else loss * 0.0)
             if real:
                 for key, value in metrics.items():

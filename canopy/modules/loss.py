@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from canopy.mismatch import RolloutCorrection, correction_metrics, mismatch_metrics, sequence_log_ratio
+from canopy.mismatch import correction_metrics, mismatch_metrics, sequence_log_ratio
 from canopy.modules.parallel import sum_over_context
 from canopy.objective import canopy_loss
 
@@ -34,7 +34,6 @@ def trained_loss(
     inputs: dict[str, torch.Tensor],
     advantages: torch.Tensor,
     algorithm,
-    correction: RolloutCorrection,
     pooled: Pooled,
     cp_mesh=None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -42,8 +41,9 @@ def trained_loss(
 
     `logprobs` / `entropy` [B, T] are the policy's at its positions (`inputs`, aligned by `sequence_inputs`, CP split
     when `cp_mesh` is given), `inputs` also carries the action mask M, the engine's logprobs mu, the reference's and,
-    past the first update of a split batch only, pi_old's. `algorithm` is the run's `AlgorithmSettings`."""
-    a, mask = algorithm, inputs["action_mask"]
+    past the first update of a split batch only, pi_old's. `algorithm` is the run's `AlgorithmSettings` (its
+    `rollout_correction` gives w)."""
+    a, mask, correction = algorithm, inputs["action_mask"], algorithm.rollout_correction
     # pi_old: the policy itself, detached, when strictly on-policy (one update per batch: the ratio is 1)
     old = logprobs.detach() if "old_logprobs" not in inputs else inputs["old_logprobs"]
     # the engine-trainer mismatch r = log pi_old - log mu, per action token and per sequence (canopy.mismatch)
