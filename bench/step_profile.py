@@ -3,6 +3,12 @@ thread's stack sampled every few milliseconds, each step's samples split into ph
 rollout and of the step attributed to the code that was running.
 
     python bench/step_profile.py [--steps 40] [--top 12] [--interval-ms 2] [--out FILE] [train.py overrides ...]
+    python bench/step_profile.py --ops [--steps 20] [--skip 5] ...
+
+`--ops` names where the compute phases go instead: no sampler; each call of a phase function (generation, the
+reference forward, the update) past the first `--skip` steps runs under `torch.profiler`, and each phase's time is
+split into the torch operators' own CPU time (`self_cpu_time_total`, summed by operator over the calls) and what is
+left, the Python around them (the model's modules, Transformers' cache and masks, the sampling loop).
 
 A sample is the step's when Lightning's `_TrainingEpochLoop.advance` is on the stack. Its phase is the first of
 these on the stack: generation (`LocalEngine.generate`), the rest of the rollout (`RolloutDataModule.next_batch`:
@@ -15,6 +21,7 @@ CPU), so the phases measured by the run itself (`time/*` in TensorBoard) are pri
 """
 
 import argparse
+import importlib
 import runpy
 import statistics
 import sys
@@ -101,6 +108,76 @@ def run_train(steps: int, overrides: list[str], run_dir: Path, interval: float) 
     return sampler
 
 
+OPS_PHASES = {  # phase: (module, class, method), each call profiled on its own
+    "generation": ("canopy.rollout.local", "LocalEngine", "generate"),
+    "reference": ("canopy.modules.canopy_module", "CanopyModule", "_logprobs_no_grad"),
+    "update": ("canopy.modules.canopy_module", "CanopyModule", "_optimizer_step"),
+}
+
+
+class OpProfile:
+    """Per phase: wall seconds and each torch operator's own CPU seconds, over the profiled calls."""
+
+    def __init__(self, skip: int):
+        self.skip, self.calls = skip, Counter()
+        self.wall, self.ops = Counter(), {phase: Counter() for phase in OPS_PHASES}
+
+    def wrap(self, phase: str, method):
+        import torch.profiler
+
+        def profiled(*args, **kwargs):
+            self.calls[phase] += 1
+            if self.calls["update"] < self.skip:  # warm-up steps: the update runs once per step
+                return method(*args, **kwargs)
+            began = time.perf_counter()
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+                result = method(*args, **kwargs)
+            self.wall[phase] += time.perf_counter() - began
+            for event in profile.key_averages():
+                self.ops[phase][event.key] += event.self_cpu_time_total / 1e6
+            return result
+
+        return profiled
+
+    def install(self) -> None:
+        for phase, (module, cls, name) in OPS_PHASES.items():
+            owner = getattr(importlib.import_module(module), cls)
+            setattr(owner, name, self.wrap(phase, getattr(owner, name)))
+
+    def report(self, steps: int, top: int, command: str) -> str:
+        profiled = steps - self.skip
+        lines = [f"`{command}`: the last {profiled} of {steps} steps profiled.", ""]
+        for phase in OPS_PHASES:
+            wall, ops = self.wall[phase] / profiled, self.ops[phase]
+            in_ops = sum(ops.values()) / profiled
+            lines += [
+                f"{phase}: {wall:.3f} s per step under the profiler, {in_ops:.3f} s in torch operators, "
+                f"{wall - in_ops:.3f} s around them",
+                "",
+                "| operator | s / step | share of the phase |",
+                "|---|---|---|",
+            ]
+            lines += [f"| `{op}` | {t / profiled:.4f} | {t / profiled / wall:.0%} |" for op, t in ops.most_common(top)]
+            lines.append("")
+        return "\n".join(lines)
+
+
+def run_ops(steps: int, skip: int, overrides: list[str], run_dir: Path) -> OpProfile:
+    """train.py in this process, its compute phases under the torch profiler past the first `skip` steps."""
+    ops = OpProfile(skip)
+    ops.install()
+    argv = sys.argv
+    sys.argv = ["train.py", f"trainer.max_steps={steps}", f"hydra.run.dir={run_dir}", *overrides]
+    try:
+        runpy.run_path(str(ROOT / "train.py"), run_name="__main__")
+    except SystemExit as stop:
+        if stop.code not in (0, None):
+            raise
+    finally:
+        sys.argv = argv
+    return ops
+
+
 def split(samples: list, steps: int) -> tuple[Counter, dict[str, Counter]]:
     """Seconds per step by phase, and the rollout's rest and the other time by the innermost Canopy or Lightning
     frame, from (stack, seconds) samples. Each sample stands for the time since the one before: the sampler waits for
@@ -151,17 +228,25 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=12, help="code locations listed per attribution")
     parser.add_argument("--interval-ms", type=float, default=2.0)
     parser.add_argument("--out", type=Path, help="also write the report (markdown) here")
+    parser.add_argument("--ops", action="store_true", help="the compute phases by torch operator (no sampler)")
+    parser.add_argument("--skip", type=int, default=5, help="with --ops: steps left unprofiled first")
     parser.add_argument("overrides", nargs="*", help="train.py overrides (after the two below)")
     args = parser.parse_args()
     # no evaluation outside the steps: the base and final reports and the budget transfer sample with the engine too
     overrides = ["report.eval_samples_per_task=0", "callbacks.budget_transfer=null", *args.overrides]
-    command = " ".join(
-        ["python bench/step_profile.py", f"--steps {args.steps} --interval-ms {args.interval_ms:g}", *args.overrides]
+    how = (
+        f"--ops --steps {args.steps} --skip {args.skip}"
+        if args.ops
+        else (f"--steps {args.steps} --interval-ms {args.interval_ms:g}")
     )
+    command = " ".join(["python bench/step_profile.py", how, *args.overrides])
     with tempfile.TemporaryDirectory(prefix="step_profile_") as folder:
         run_dir = Path(folder) / "run"
-        sampler = run_train(args.steps, overrides, run_dir, args.interval_ms / 1e3)
-        text = report(sampler, run_dir, args.steps, args.top, command)
+        if args.ops:
+            text = run_ops(args.steps, args.skip, overrides, run_dir).report(args.steps, args.top, command)
+        else:
+            sampler = run_train(args.steps, overrides, run_dir, args.interval_ms / 1e3)
+            text = report(sampler, run_dir, args.steps, args.top, command)
     print(text)
     if args.out is not None:
         args.out.write_text(text)

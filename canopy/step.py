@@ -240,6 +240,12 @@ class RolloutBatch:
             groups.append(torch.tensor(current))
         return groups
 
+    def to(self, device: torch.device) -> "RolloutBatch":
+        """The batch's tensors on `device` (the same ones where they already are); its metrics and stats as they are,
+        unwalked (Lightning's `move_data_to_device` would walk every episode of `stats`)."""
+        tensors = (self.input_ids, self.action_mask, self.engine_logprobs, self.token_versions, self.advantages)
+        return RolloutBatch(*(t.to(device) for t in (*tensors, self.lengths)), self.metrics, self.stats)
+
     def select(self, indices: torch.Tensor) -> "RolloutBatch":
         """A sub-batch (minibatch / micro-batch), trimmed to its own longest sequence."""
         width = int(self.lengths[indices].max())
@@ -255,16 +261,23 @@ class RolloutBatch:
 
 
 def pack(trajectories: list[Trajectory], advantages: torch.Tensor, pad_token_id: int) -> RolloutBatch:
-    """The survivors right-padded into one `RolloutBatch`, each token with its weight version, in their order."""
-    lengths = torch.tensor([len(t.token_ids) for t in trajectories])
+    """The survivors right-padded into one `RolloutBatch`, each token with its weight version, in their order: every
+    field filled from one flat list through the mask of real positions (row-major, as the rows are laid out)."""
+    lengths = torch.tensor([len(t.token_ids) for t in trajectories], dtype=torch.long)
     width = int(lengths.max()) if len(trajectories) else 1
-    input_ids = torch.full((len(trajectories), width), pad_token_id, dtype=torch.long)
-    action_mask = torch.zeros((len(trajectories), width), dtype=torch.bool)
-    engine_logprobs = torch.zeros((len(trajectories), width))
-    token_versions = torch.full((len(trajectories), width), -1, dtype=torch.long)
-    for row, t in enumerate(trajectories):
-        input_ids[row, : len(t.token_ids)] = torch.tensor(t.token_ids)
-        action_mask[row, : len(t.token_ids)] = torch.tensor(t.action_mask, dtype=torch.bool)
-        engine_logprobs[row, : len(t.token_ids)] = torch.tensor(t.engine_logprobs)
-        token_versions[row, : len(t.token_ids)] = torch.tensor(t.token_versions, dtype=torch.long)
-    return RolloutBatch(input_ids, action_mask, engine_logprobs, token_versions, advantages, lengths, {})
+    real = torch.arange(width) < lengths[:, None]
+
+    def padded(rows: list[list], fill, dtype: torch.dtype) -> torch.Tensor:
+        out = torch.full((len(rows), width), fill, dtype=dtype)
+        out[real] = torch.tensor([x for row in rows for x in row], dtype=dtype)
+        return out
+
+    return RolloutBatch(
+        padded([t.token_ids for t in trajectories], pad_token_id, torch.long),
+        padded([t.action_mask for t in trajectories], False, torch.bool),
+        padded([t.engine_logprobs for t in trajectories], 0.0, torch.float32),
+        padded([t.token_versions for t in trajectories], -1, torch.long),
+        advantages,
+        lengths,
+        {},
+    )

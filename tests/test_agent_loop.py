@@ -190,6 +190,36 @@ def test_chat_template_options_reach_the_prompt_and_every_observation(tokenizer,
     assert episode.num_turns == 2 and episode.token_ids.count(block[0]) == (2 if thinking is False else 0)
 
 
+def test_remembered_renderings_are_the_tokenizers_own(tokenizer):
+    """The chat tokenizer remembers rendered prompts and short texts' ids: the same ids as the tokenizer renders and
+    encodes afresh, a caller's edit of a returned list reaches no later call, other template options render anew, a
+    long text is not remembered, and a pickled copy renders the same."""
+    import pickle
+
+    chat = ChatTokenizer(tokenizer)
+    messages = [{"role": "system", "content": "vault world"}, {"role": "user", "content": "task : vault 1"}]
+    fresh = tokenizer.encode(
+        tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False), add_special_tokens=False
+    )
+    first = render_prompt(chat, messages)
+    first.append(-1)  # the agent loop extends its episode's token list
+    assert render_prompt(chat, messages) == fresh
+    messages[1]["content"] = "task : vault 2"
+    assert render_prompt(chat, messages) != fresh  # the key is the conversation itself, not its object
+    assert chat.apply_chat_template(messages, tokenize=False) != chat.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True
+    )
+    observation = render_observation(chat, "status : guest", cap=32, close_turn=True)
+    assert observation == render_observation(tokenizer, "status : guest", cap=32, close_turn=True)
+    assert render_observation(chat, "status : guest", cap=2, close_turn=True) != observation  # capped anew
+    long = "status : guest " * 100
+    assert chat.encode(long, add_special_tokens=False) == tokenizer.encode(long, add_special_tokens=False)
+    assert (long, False) not in chat.texts.results and ("status : guest", False) in chat.texts.results
+    copy = pickle.loads(pickle.dumps(chat))  # the memos (and their locks) are not pickled: the copy starts afresh
+    assert not copy.texts.results and not copy.templates.results
+    assert render_observation(copy, "status : guest", cap=32, close_turn=True) == observation
+
+
 def test_in_a_terminal_the_rollout_bar_shows_live_episodes_and_their_furthest_turn(tokenizer, monkeypatch, capsys):
     """Three episodes of two turns (`key`, then `unlock` solves a tier-2 task from 1): the bar says `live 3, turn 1`
     for the first turn and `live 3, turn 2` for the second; piped, there is no bar at all."""

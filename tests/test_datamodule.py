@@ -116,6 +116,29 @@ def test_pack_and_micro_batches_cover_every_sequence_once():
     assert torch.equal(sub.token_versions, batch.token_versions[:2, :5])
 
 
+def test_pack_puts_each_token_at_its_row_and_position():
+    """Every field of every episode, at its own row from position 0, padded after its end (pad id, mask off,
+    logprob 0, version -1); and `to` keeps the batch's metrics and stats without walking them."""
+    a = Task("a", 1, "s")
+    trajectories = [trajectory(a, i, i % 2 == 0, length=2 + 3 * i, version=i) for i in range(4)]
+    for i, t in enumerate(trajectories):
+        t.token_ids = [10 * i + k for k in range(len(t.token_ids))]
+        t.engine_logprobs = [-0.1 * (k + 1) if m else 0.0 for k, m in enumerate(t.action_mask)]
+    batch = pack(trajectories, torch.arange(4.0), pad_token_id=7)
+    width = batch.input_ids.shape[1]
+    for row, t in enumerate(trajectories):
+        n = len(t.token_ids)
+        assert batch.input_ids[row].tolist() == t.token_ids + [7] * (width - n)
+        assert batch.action_mask[row].tolist() == [bool(m) for m in t.action_mask] + [False] * (width - n)
+        assert torch.equal(batch.engine_logprobs[row], torch.tensor(t.engine_logprobs + [0.0] * (width - n)))
+        assert batch.token_versions[row].tolist() == t.token_versions + [-1] * (width - n)
+        assert int(batch.lengths[row]) == n
+    batch.metrics, batch.stats = {"m": 1.0}, object()
+    moved = batch.to(torch.device("cpu"))
+    assert moved.metrics is batch.metrics and moved.stats is batch.stats
+    assert torch.equal(moved.input_ids, batch.input_ids) and torch.equal(moved.lengths, batch.lengths)
+
+
 def test_next_batch_runs_groups_and_logs_metrics(tokenizer):
     dm = datamodule(tokenizer, ScriptedEngine(tokenizer, ["login", "key", "unlock"]))
     batch = next(iter(dm.train_dataloader()))

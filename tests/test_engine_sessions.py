@@ -115,7 +115,7 @@ def test_past_the_cap_an_episode_prefills_its_whole_history(tiny_path, tokenizer
     first = cached.generate(prompts, [8, 8, 8], SAMPLING, keys=keys)
     replay.generate(prompts, [8, 8, 8], SAMPLING, keys=keys)
     assert len(cached.sessions) == 1 and cached.counters["sessions_over_cap"] == 2
-    assert sum(len(s.tokens) for s in cached.sessions.values()) <= cap
+    assert cached.held_tokens == sum(len(s.tokens) for s in cached.sessions.values()) <= cap
     second_prompts = next_prompts(tokenizer, prompts, first)
     second = cached.generate(second_prompts, [8, 8, 8], SAMPLING, keys=keys)
     assert_same_samples(second, replay.generate(second_prompts, [8, 8, 8], SAMPLING, keys=keys))

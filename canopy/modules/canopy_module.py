@@ -7,7 +7,6 @@ from typing import Any
 
 import lightning as L
 import torch
-from lightning.fabric.utilities.apply_func import move_data_to_device
 
 from canopy.coverage import AdaptiveGroupSettings
 from canopy.errors import ConfigError, is_int, require
@@ -346,7 +345,7 @@ class CanopyModule(L.LightningModule):
         version but the policy's current one is refused, on every rank at once (the count is summed over the
         shards)."""
         batch, _, _ = next(dataloader_iter)
-        batch = move_data_to_device(batch, self.device)  # a `dataloader_iter` step gets its batch as generated
+        batch = batch.to(self.device)  # a `dataloader_iter` step gets its batch as generated
         versions = batch.token_versions[batch.action_mask]
         stale = versions != self.weight_version
         counts = all_reduce_sum(

@@ -3,31 +3,81 @@ its model family's chat markers, and the ids of the rendered prompt and observat
 re-tokenized)."""
 
 import functools
+import threading
+from collections import OrderedDict
 
 from canopy.models import DEFAULT_FAMILY, MODEL_FAMILIES
 from canopy.models.spec import ChatMarkers
+
+
+class Memo:
+    """The `size` most recently used results of a pure function, by key (thread-safe: episodes render in threads)."""
+
+    def __init__(self, size: int):
+        self.size, self.results, self.lock = size, OrderedDict(), threading.Lock()
+
+    def get(self, key, compute):
+        with self.lock:
+            if key in self.results:
+                self.results.move_to_end(key)
+                return self.results[key]
+        result = compute()
+        with self.lock:
+            self.results[key] = result
+            if len(self.results) > self.size:
+                self.results.popitem(last=False)
+        return result
+
+
+MEMO_TEXT_CHARS = 1024  # texts encoded at most this long are remembered (observations, the chat markers' frames)
+MEMO_TEXTS = 4096  # at most ~300 tokens each: ~20 MB at worst
+MEMO_TEMPLATES = 64  # rendered prompts: a step renders each task's prompt for every episode of its group in a row
 
 
 class ChatTokenizer:
     """A tokenizer whose chat template is always applied with the experiment's options (`model.chat_template_kwargs`,
     e.g. `enable_thinking: false` for Table A3's Qwen3.5), so that the prompt and every rendered observation follow
     them, and which carries its model family's chat `markers` (`canopy.models`; default: the default family's).
-    Everything else is the wrapped tokenizer's (saving it saves the tokenizer unchanged)."""
+    Everything else is the wrapped tokenizer's (saving it saves the tokenizer unchanged).
+
+    A step renders the same prompt for every episode of a group and mostly the same short observations: rendered
+    prompts and the ids of short texts are remembered (`Memo`), the same ids the tokenizer gives, without its cost
+    (the chat template and the encoding were most of a rollout's time outside generation, docs/step_profile.md)."""
 
     def __init__(self, tokenizer, markers: ChatMarkers | None = None, **template_kwargs):
         self.tokenizer, self.template_kwargs = tokenizer, template_kwargs
         self.markers = markers or MODEL_FAMILIES[DEFAULT_FAMILY].chat
+        self.texts, self.templates = Memo(MEMO_TEXTS), Memo(MEMO_TEMPLATES)
 
     def __getattr__(self, name: str):
         if name == "tokenizer":  # not set yet (unpickling): no recursion
             raise AttributeError(name)
         return getattr(self.tokenizer, name)
 
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k not in ("texts", "templates")}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state, texts=Memo(MEMO_TEXTS), templates=Memo(MEMO_TEMPLATES))
+
     def __len__(self) -> int:
         return len(self.tokenizer)
 
     def apply_chat_template(self, conversation, **kwargs):
-        return self.tokenizer.apply_chat_template(conversation, **{**self.template_kwargs, **kwargs})
+        kwargs = {**self.template_kwargs, **kwargs}
+        if kwargs.get("tokenize", True):
+            return self.tokenizer.apply_chat_template(conversation, **kwargs)
+        key = repr((conversation, sorted(kwargs.items())))
+        return self.templates.get(key, lambda: self.tokenizer.apply_chat_template(conversation, **kwargs))
+
+    def encode(self, text, add_special_tokens: bool = True, **kwargs):
+        if kwargs or not isinstance(text, str) or len(text) > MEMO_TEXT_CHARS:
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens, **kwargs)
+        ids = self.texts.get(
+            (text, add_special_tokens),
+            lambda: tuple(self.tokenizer.encode(text, add_special_tokens=add_special_tokens)),
+        )
+        return list(ids)
 
 
 def chat_markers(tokenizer) -> ChatMarkers:

@@ -152,6 +152,7 @@ class LocalEngine:
         self.generator = torch.Generator().manual_seed(seed)
         self.sessions: dict[str, _Session] = {}
         self.sessions_lock = threading.Lock()  # `release` comes from the episodes' threads
+        self.held_tokens = 0  # the sessions' tokens in all (`session_tokens` caps it)
         self.counters = Counter()  # prefill_tokens, decode_tokens, session_hits, session_misses, sessions_over_cap
 
     @torch.no_grad()
@@ -211,7 +212,14 @@ class LocalEngine:
         """Drop the sessions of these episodes (they ended)."""
         with self.sessions_lock:
             for key in keys:
-                self.sessions.pop(key, None)
+                self._pop_session(key)
+
+    def _pop_session(self, key: str) -> _Session | None:
+        """The episode's session, no longer held (the caller holds `sessions_lock`)."""
+        session = self.sessions.pop(key, None)
+        if session is not None:
+            self.held_tokens -= len(session.tokens)
+        return session
 
     def close(self) -> None:
         self.release(list(self.sessions))
@@ -291,7 +299,7 @@ class LocalEngine:
         pasts, suffixes = [], []
         for prompt, key in zip(prompts, keys):
             with self.sessions_lock:
-                session = self.sessions.pop(key, None) if key is not None else None
+                session = self._pop_session(key) if key is not None else None
             extends = session is not None and prompt[: len(session.tokens)] == session.tokens
             if extends and len(session.tokens) < len(prompt):
                 self.counters["session_hits"] += 1
@@ -355,8 +363,9 @@ class LocalEngine:
         if key is None:
             return
         with self.sessions_lock:
-            held = sum(len(s.tokens) for s in self.sessions.values())
-            if held + len(tokens) > self.session_tokens:
+            self._pop_session(key)
+            if self.held_tokens + len(tokens) > self.session_tokens:
                 self.counters["sessions_over_cap"] += 1
                 return
             self.sessions[key] = _Session(tokens, _cache_rows(cache, slice(row, row + 1), columns))
+            self.held_tokens += len(tokens)
