@@ -29,5 +29,24 @@ def test_each_sample_goes_to_its_innermost_phase_weighted_by_its_time():
     ]
     seconds, where = split(samples, steps=2)
     assert seconds == pytest.approx({"generation": 0.2, "rollout rest": 0.1, "update": 0.3, "other": 0.05})
+    assert where["generation"] == pytest.approx({"canopy/rollout/local.py:generate": 0.2})
     assert where["rollout rest"] == pytest.approx({"canopy/rollout/chat.py:render_observation": 0.1})
     assert where["other"] == pytest.approx({"lightning/fabric/loggers/tensorboard.py:log_metrics": 0.05})
+
+
+def test_generation_is_named_down_to_the_model_and_a_venv_under_a_canopy_folder_is_not_canopy():
+    """Generation's samples go to the innermost Canopy, Transformers or torch frame; a package is found at its last
+    occurrence in the path, so torch inside `/home/u/canopy/.venv` is torch's."""
+    venv = "/home/u/canopy/.venv/lib/python3.11/site-packages"
+    model = (f"{venv}/transformers/models/qwen3/modeling_qwen3.py", "forward")
+    linear = (f"{venv}/torch/nn/modules/linear.py", "forward")
+    samples = [
+        ([STEP, NEXT_BATCH, GENERATE, model, linear], 0.3),
+        ([STEP, NEXT_BATCH, GENERATE, model], 0.1),
+        ([STEP, (f"{venv}/lightning/pytorch/core/module.py", "log")], 0.2),
+    ]
+    _, where = split(samples, steps=1)
+    assert where["generation"] == pytest.approx(
+        {"torch/nn/modules/linear.py:forward": 0.3, "transformers/models/qwen3/modeling_qwen3.py:forward": 0.1}
+    )
+    assert where["other"] == pytest.approx({"lightning/pytorch/core/module.py:log": 0.2})

@@ -258,14 +258,18 @@ class LocalEngine:
             lengths[active] = step + 1
             stopped = torch.isin(sampled, self.stop_token_ids)
             done = stopped | (step + 1 >= limits[active])
-            for row in torch.nonzero(done).flatten().tolist():
-                prompt = active[row].item()
-                reasons[prompt] = "stop" if stopped[row] else "length"
-                covers = prompts[prompt] + tokens[prompt, :step].tolist()
-                self._keep(keys[prompt], covers, cache, row, torch.nonzero(attention_mask[row]).flatten())
-            if bool(done.all()):
+            finished = torch.nonzero(done).flatten().tolist()
+            if finished:
+                answering, stops = active.tolist(), stopped.tolist()
+                for row in finished:
+                    prompt = answering[row]
+                    reasons[prompt] = "stop" if stops[row] else "length"
+                    if keys[prompt] is not None:
+                        covers = prompts[prompt] + tokens[prompt, :step].tolist()
+                        self._keep(keys[prompt], covers, cache, row, torch.nonzero(attention_mask[row]).flatten())
+            if len(finished) == len(active):
                 break
-            if bool(done.any()):
+            if finished:
                 going = torch.nonzero(~done).flatten()
                 cache.reorder_cache(going.to(self.device))
                 active, sampled, attention_mask, positions = (
@@ -285,11 +289,10 @@ class LocalEngine:
             )
             logits, positions = out.logits[:, -1, :], positions + 1
             self.counters["decode_tokens"] += len(active)
+        token_rows, logprob_rows = tokens.tolist(), logprobs.tolist()
         return [
-            Generation(
-                tokens[i, : lengths[i]].tolist(), logprobs[i, : lengths[i]].tolist(), reasons[i], self.weight_version
-            )
-            for i in range(batch)
+            Generation(token_rows[i][:n], logprob_rows[i][:n], reasons[i], self.weight_version)
+            for i, n in enumerate(lengths.tolist())
         ]
 
     def _prefill(self, prompts: list[list[int]], keys: list[str | None]):
@@ -357,11 +360,9 @@ class LocalEngine:
         self.counters["prefill_tokens"] += sum(suffix_lengths)
         return out.logits[:, -1, :], out.cache, attention_mask
 
-    def _keep(self, key: str | None, tokens: list[int], cache, row: int, columns: torch.Tensor) -> None:
+    def _keep(self, key: str, tokens: list[int], cache, row: int, columns: torch.Tensor) -> None:
         """Keep a finished row's cache (its `columns`: no padding) as its episode's session, within `session_tokens`
         cached tokens in all."""
-        if key is None:
-            return
         with self.sessions_lock:
             self._pop_session(key)
             if self.held_tokens + len(tokens) > self.session_tokens:
