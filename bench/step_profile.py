@@ -97,12 +97,10 @@ def deepest_own(stack, packages: tuple[str, ...]) -> str:
     return "(elsewhere)"
 
 
-def run_train(steps: int, overrides: list[str], run_dir: Path, interval: float) -> StackSampler:
-    """train.py in this process, sampled; the sampler, stopped."""
+def train_here(steps: int, overrides: list[str], run_dir: Path) -> None:
+    """train.py, `steps` steps, in this process."""
     argv = sys.argv
     sys.argv = ["train.py", f"trainer.max_steps={steps}", f"hydra.run.dir={run_dir}", *overrides]
-    sampler = StackSampler(interval)
-    sampler.start()
     try:
         runpy.run_path(str(ROOT / "train.py"), run_name="__main__")
     except SystemExit as stop:
@@ -110,6 +108,15 @@ def run_train(steps: int, overrides: list[str], run_dir: Path, interval: float) 
             raise
     finally:
         sys.argv = argv
+
+
+def run_train(steps: int, overrides: list[str], run_dir: Path, interval: float) -> StackSampler:
+    """train.py in this process, sampled; the sampler, stopped."""
+    sampler = StackSampler(interval)
+    sampler.start()
+    try:
+        train_here(steps, overrides, run_dir)
+    finally:
         sampler.done.set()
         sampler.join()
     return sampler
@@ -172,15 +179,7 @@ def run_ops(steps: int, skip: int, overrides: list[str], run_dir: Path) -> OpPro
     """train.py in this process, its compute phases under the torch profiler past the first `skip` steps."""
     ops = OpProfile(skip)
     ops.install()
-    argv = sys.argv
-    sys.argv = ["train.py", f"trainer.max_steps={steps}", f"hydra.run.dir={run_dir}", *overrides]
-    try:
-        runpy.run_path(str(ROOT / "train.py"), run_name="__main__")
-    except SystemExit as stop:
-        if stop.code not in (0, None):
-            raise
-    finally:
-        sys.argv = argv
+    train_here(steps, overrides, run_dir)
     return ops
 
 

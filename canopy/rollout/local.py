@@ -289,7 +289,8 @@ class LocalEngine:
             )
             logits, positions = out.logits[:, -1, :], positions + 1
             self.counters["decode_tokens"] += len(active)
-        token_rows, logprob_rows = tokens.tolist(), logprobs.tolist()
+        used = int(lengths.max()) if batch else 0  # the columns any row generated into
+        token_rows, logprob_rows = tokens[:, :used].tolist(), logprobs[:, :used].tolist()
         return [
             Generation(token_rows[i][:n], logprob_rows[i][:n], reasons[i], self.weight_version)
             for i, n in enumerate(lengths.tolist())
