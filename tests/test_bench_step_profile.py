@@ -50,3 +50,16 @@ def test_generation_is_named_down_to_the_model_and_a_venv_under_a_canopy_folder_
         {"torch/nn/modules/linear.py:forward": 0.3, "transformers/models/qwen3/modeling_qwen3.py:forward": 0.1}
     )
     assert where["other"] == pytest.approx({"lightning/pytorch/core/module.py:log": 0.2})
+
+
+def test_the_operator_report_splits_each_phase_into_operators_and_the_python_around_them():
+    from step_profile import OpProfile
+
+    ops = OpProfile(skip=2)
+    ops.wall.update({"reference": 0.5, "update": 2.0})  # over the 4 - 2 profiled steps
+    ops.ops["reference"].update({"aten::mm": 0.3, "aten::mul": 0.1})
+    ops.ops["update"].update({"aten::mm": 1.0, "aten::add": 0.6})
+    text = ops.report(steps=4, top=1, command="python bench/step_profile.py --ops")
+    assert "reference: 0.250 s per step under the profiler, 0.200 s in torch operators, 0.050 s around them" in text
+    assert "| `aten::mm` | 0.1500 | 60% |" in text and "aten::mul" not in text  # top 1 only
+    assert "update: 1.000 s per step under the profiler, 0.800 s in torch operators, 0.200 s around them" in text
