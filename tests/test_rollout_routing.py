@@ -188,3 +188,35 @@ def test_a_gateway_carries_the_data_plane_keyed_by_episode(tiny_path, tmp_path, 
     for server in servers:  # the control plane: every server, directly
         assert server.bodies("/update_weights_from_disk")[-1]["weight_version"] == "1" and server.version == "1"
     assert after_sync.weight_version == 1 and engine.router.counts["turns"] == len(keys)
+
+
+def test_a_server_stopped_on_purpose_is_never_revived(tmp_path):
+    """A relaunch (or close) stops the launched servers; a health check that began before it, and sees one of them
+    dead, must not launch it again on its port beside its replacement (which made a budget transfer launch 4 servers
+    for 3 under load)."""
+    import sys
+    from types import SimpleNamespace
+
+    from canopy.rollout.http.fleet import Fleet
+
+    launched = []
+
+    class Sleeper:  # a backend whose "server" is a sleeping process
+        name, key, ready_path = "sleeper", "engine.sleeper", "/ready"
+
+        def launch_command(self, index, context_length, rope_scaling, seed):
+            launched.append(index)
+            return [sys.executable, "-c", "import time; time.sleep(60)"], {}
+
+    settings = SimpleNamespace(python=sys.executable, base_port=0, host="127.0.0.1", startup_timeout_s=0.1)
+    fleet = Fleet(settings, Sleeper(), tmp_path)
+    fleet.launch_settings = (None, None, 0)
+    server = fleet._launch(0)
+    fleet.servers = [server]
+    fleet.stop()
+    assert server.process.poll() is not None  # dead, as a health check would find it
+    assert not fleet.revive(server) and launched == [0]
+    server.stopped = False  # the same dead process, had it died on its own: launched again
+    assert not fleet.revive(server)  # (it cannot become ready here: no server answers)
+    assert launched == [0, 0]
+    fleet.stop()

@@ -68,6 +68,7 @@ class Server:
     log: Path | None = None
     outstanding: int = 0
     ejected: bool = False  # failed a request: takes none until its health check answers again
+    stopped: bool = False  # stopped on purpose (relaunch, close): never revived, whatever a health check saw
 
 
 class Fleet:
@@ -125,8 +126,9 @@ class Fleet:
 
     def revive(self, server: Server) -> bool:
         """Launch again, on its port, a launched server whose process has exited, and wait until it is ready (it holds
-        the base weights). False when it is not such a server, or its relaunch failed (tried again later)."""
-        if server.process is None or server.process.poll() is None:
+        the base weights). False when it is not such a server (never launched, or stopped on purpose: a relaunch's
+        old server seen dead by a health check that began before it), or its relaunch failed (tried again later)."""
+        if server.process is None or server.stopped or server.process.poll() is None:
             return False
         with contextlib.suppress(ProcessLookupError):
             os.killpg(server.process.pid, signal.SIGKILL)  # what is left of its group (engine, workers)
@@ -169,6 +171,7 @@ class Fleet:
             process = server.process
             if process is None:
                 continue
+            server.stopped = True  # before it dies: a health check that sees it dead must not launch it again
             try:
                 os.killpg(process.pid, signal.SIGTERM)  # the group: a server's engine and workers outlive its parent
                 process.wait(timeout=30)
