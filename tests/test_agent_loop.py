@@ -215,6 +215,8 @@ def test_remembered_renderings_are_the_tokenizers_own(tokenizer):
     long = "status : guest " * 100
     assert chat.encode(long, add_special_tokens=False) == tokenizer.encode(long, add_special_tokens=False)
     assert (long, False) not in chat.texts.results and ("status : guest", False) in chat.texts.results
+    pair = chat.encode("status", "guest")  # a text pair, positionally as the tokenizer takes it: not remembered
+    assert pair == tokenizer.encode("status", "guest") and ("status", True) not in chat.texts.results
     copy = pickle.loads(pickle.dumps(chat))  # the memos (and their locks) are not pickled: the copy starts afresh
     assert not copy.texts.results and not copy.templates.results
     assert render_observation(copy, "status : guest", cap=32, close_turn=True) == observation

@@ -70,9 +70,10 @@ class ChatTokenizer:
         key = repr((conversation, sorted(kwargs.items())))
         return self.templates.get(key, lambda: self.tokenizer.apply_chat_template(conversation, **kwargs))
 
-    def encode(self, text, add_special_tokens: bool = True, **kwargs):
-        if kwargs or not isinstance(text, str) or len(text) > MEMO_TEXT_CHARS:
-            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens, **kwargs)
+    def encode(self, text, *args, add_special_tokens: bool = True, **kwargs):
+        """The tokenizer's `encode`; the ids of a short text alone (no pair, no other options) are remembered."""
+        if args or kwargs or not isinstance(text, str) or len(text) > MEMO_TEXT_CHARS:
+            return self.tokenizer.encode(text, *args, add_special_tokens=add_special_tokens, **kwargs)
         ids = self.texts.get(
             (text, add_special_tokens),
             lambda: tuple(self.tokenizer.encode(text, add_special_tokens=add_special_tokens)),
