@@ -28,6 +28,8 @@ from canopy.rollout.trajectory import Trajectory
 
 ROOT = Path(__file__).resolve().parents[1]
 
+UNFILTERED = SamplingParams(temperature=1.0, top_p=1.0, top_k=-1)  # temperature 1, no nucleus or top-k filter
+
 
 def config(*overrides):
     """conf/train.yaml composed with `overrides`, as train.py composes it."""
@@ -59,7 +61,7 @@ def datamodule(tokenizer, engine, **kwargs):
         tasks_per_step=3,
         group_size=4,
         budget=BUDGET,
-        sampling=SamplingParams(temperature=1.0, top_p=1.0, top_k=-1),
+        sampling=UNFILTERED,
         seed=0,
     )
     return datamodule_over(EmbeddedEnvironment(), engine, tokenizer, **{**args, **kwargs})

@@ -5,13 +5,12 @@ from canopy.envs.embedded import EmbeddedEnvironment
 from canopy.rollout.agent_loop import run_episodes
 from canopy.rollout.budget import Budget
 from canopy.rollout.chat import ChatTokenizer, render_observation, render_prompt
-from canopy.rollout.engine import SamplingParams
+from tests.helpers import UNFILTERED
 from tests.scripted import ScriptedEngine
 
 BUDGET = Budget(
     max_turns=6, max_response_tokens=256, max_prompt_tokens=128, max_observation_tokens=32, max_context_tokens=1024
 )
-T = SamplingParams(temperature=1.0, top_p=1.0, top_k=-1)
 
 
 def task(start, tier, vault=0):
@@ -26,7 +25,7 @@ def task(start, tier, vault=0):
 def test_masks_and_token_in_token_out(tokenizer):
     env = EmbeddedEnvironment()
     engine = ScriptedEngine(tokenizer, ["key", "unlock"])
-    [t], _ = run_episodes(engine, env, tokenizer, [(task(1, 2), 0)], BUDGET, T)
+    [t], _ = run_episodes(engine, env, tokenizer, [(task(1, 2), 0)], BUDGET, UNFILTERED)
     assert t.ending == "done" and t.verdict == Verdict(2, 2) and t.num_turns == 2
     prompt = render_prompt(tokenizer, env.start(task(1, 2), 0).messages())
     assert t.token_ids[: len(prompt)] == prompt and t.prompt_length == len(prompt)
@@ -49,7 +48,7 @@ def test_masks_and_token_in_token_out(tokenizer):
 def test_turn_limit_is_an_agent_ending_with_a_verdict(tokenizer):
     engine = ScriptedEngine(tokenizer, ["hello"])
     budget = Budget(**{**BUDGET.__dict__, "max_turns": 3})
-    [t], _ = run_episodes(engine, EmbeddedEnvironment(), tokenizer, [(task(0, 1), 0)], budget, T)
+    [t], _ = run_episodes(engine, EmbeddedEnvironment(), tokenizer, [(task(0, 1), 0)], budget, UNFILTERED)
     assert t.ending == "turn_limit" and t.num_turns == 3
     assert t.verdict == Verdict(0, 1) and t.reward("sparse") == 0.0 and t.quarantine is None
 
@@ -57,7 +56,7 @@ def test_turn_limit_is_an_agent_ending_with_a_verdict(tokenizer):
 def test_response_budget_and_uncapped_turns(tokenizer):
     engine = ScriptedEngine(tokenizer, ["a " * 40])
     budget = Budget(**{**BUDGET.__dict__, "max_response_tokens": 100})
-    [t], _ = run_episodes(engine, EmbeddedEnvironment(), tokenizer, [(task(0, 1), 0)], budget, T)
+    [t], _ = run_episodes(engine, EmbeddedEnvironment(), tokenizer, [(task(0, 1), 0)], budget, UNFILTERED)
     assert engine.calls[0][1] == [100]  # no per-turn cap: a turn may use the whole remaining budget
     assert engine.calls[1][1] == [100 - 41] and engine.calls[2][1] == [100 - 82]
     assert t.ending == "token_budget" and t.truncated and t.response_tokens == 100
@@ -66,7 +65,7 @@ def test_response_budget_and_uncapped_turns(tokenizer):
 def test_per_turn_cap_cuts_turns_without_ending_the_episode(tokenizer):
     engine = ScriptedEngine(tokenizer, ["a a a a a a a a login"])
     budget = Budget(**{**BUDGET.__dict__, "per_turn_generation_cap": 4, "max_turns": 2})
-    [t], _ = run_episodes(engine, EmbeddedEnvironment(), tokenizer, [(task(0, 1), 0)], budget, T)
+    [t], _ = run_episodes(engine, EmbeddedEnvironment(), tokenizer, [(task(0, 1), 0)], budget, UNFILTERED)
     assert [limits for _, limits in engine.calls] == [[4], [4]]
     assert t.ending == "turn_limit" and t.response_tokens == 8
 
@@ -93,7 +92,7 @@ def test_observation_is_capped(tokenizer):
 
     engine = ScriptedEngine(tokenizer, ["login"])
     budget = Budget(**{**BUDGET.__dict__, "max_observation_tokens": 5, "max_turns": 2})
-    [t], _ = run_episodes(engine, Chatty(), tokenizer, [(task(0, 1), 0)], budget, T)
+    [t], _ = run_episodes(engine, Chatty(), tokenizer, [(task(0, 1), 0)], budget, UNFILTERED)
     ok = tokenizer.convert_tokens_to_ids("ok")
     assert t.token_ids.count(ok) == 5
 
@@ -101,18 +100,20 @@ def test_observation_is_capped(tokenizer):
 def test_prompt_over_cap_is_a_clear_error(tokenizer):
     budget = Budget(**{**BUDGET.__dict__, "max_prompt_tokens": 5})
     with pytest.raises(ValueError, match="max_prompt_tokens"):
-        run_episodes(ScriptedEngine(tokenizer, ["x"]), EmbeddedEnvironment(), tokenizer, [(task(0, 1), 0)], budget, T)
+        run_episodes(
+            ScriptedEngine(tokenizer, ["x"]), EmbeddedEnvironment(), tokenizer, [(task(0, 1), 0)], budget, UNFILTERED
+        )
 
 
 def test_invalid_actions_are_counted_by_turn(tokenizer):
     """Each action the environment answers counts; those it found invalid (`StepResult.valid`) by their turn. A turn
     cut by the response budget is never answered."""
     engine = ScriptedEngine(tokenizer, ["hello", "login", "vault", "key"])
-    [t], _ = run_episodes(engine, EmbeddedEnvironment(), tokenizer, [(task(0, 2), 0)], BUDGET, T)
+    [t], _ = run_episodes(engine, EmbeddedEnvironment(), tokenizer, [(task(0, 2), 0)], BUDGET, UNFILTERED)
     assert (t.ending, t.num_turns, t.actions, t.invalid_turns) == ("done", 4, 4, [1, 3])
     budget = Budget(**{**BUDGET.__dict__, "max_response_tokens": 100})
     [t], _ = run_episodes(
-        ScriptedEngine(tokenizer, ["a " * 40]), EmbeddedEnvironment(), tokenizer, [(task(0, 1), 0)], budget, T
+        ScriptedEngine(tokenizer, ["a " * 40]), EmbeddedEnvironment(), tokenizer, [(task(0, 1), 0)], budget, UNFILTERED
     )
     assert (t.ending, t.num_turns, t.actions, t.invalid_turns) == ("token_budget", 3, 2, [1, 2])
 
@@ -137,18 +138,22 @@ class FaultyEnv(EmbeddedEnvironment):
 
 def test_environment_fault_quarantines_and_agent_failure_scores_zero(tokenizer):
     engine = ScriptedEngine(tokenizer, ["login"])
-    [q], _ = run_episodes(engine, FaultyEnv(EnvironmentFault("worker_dead")), tokenizer, [(task(0, 1), 0)], BUDGET, T)
+    [q], _ = run_episodes(
+        engine, FaultyEnv(EnvironmentFault("worker_dead")), tokenizer, [(task(0, 1), 0)], BUDGET, UNFILTERED
+    )
     assert q.ending == "quarantined" and q.quarantine == "worker_dead" and q.verdict is None
     with pytest.raises(ValueError, match="quarantined"):
         q.reward("sparse")
-    [f], _ = run_episodes(engine, FaultyEnv(AgentFailure("memory_blowup")), tokenizer, [(task(0, 1), 0)], BUDGET, T)
+    [f], _ = run_episodes(
+        engine, FaultyEnv(AgentFailure("memory_blowup")), tokenizer, [(task(0, 1), 0)], BUDGET, UNFILTERED
+    )
     assert f.ending == "agent_failure" and f.agent_failure == "memory_blowup" and f.reward("sparse") == 0.0
 
 
 def test_episodes_are_batched_per_turn_and_returned_in_job_order(tokenizer):
     jobs = [(task(0, 1), 0), (task(3, 1), 1), (task(0, 1), 2)]
     engine = ScriptedEngine(tokenizer, ["login"])
-    trajectories, timings = run_episodes(engine, EmbeddedEnvironment(), tokenizer, jobs, BUDGET, T)
+    trajectories, timings = run_episodes(engine, EmbeddedEnvironment(), tokenizer, jobs, BUDGET, UNFILTERED)
     assert [t.sample_index for t in trajectories] == [0, 1, 2]
     assert len(engine.calls[0][0]) == 3  # one batched call for all live episodes
     assert [t.ending for t in trajectories] == ["done", "turn_limit", "done"]
@@ -182,9 +187,7 @@ def test_chat_template_options_reach_the_prompt_and_every_observation(tokenizer,
     budget = Budget(
         max_turns=2, max_response_tokens=64, max_prompt_tokens=256, max_observation_tokens=32, max_context_tokens=512
     )
-    (episode,), _ = run_episodes(
-        engine, EmbeddedEnvironment(), chat, [(task, 0)], budget, SamplingParams(temperature=1.0, top_p=1.0, top_k=-1)
-    )
+    (episode,), _ = run_episodes(engine, EmbeddedEnvironment(), chat, [(task, 0)], budget, UNFILTERED)
     first_prompt = engine.calls[0][0][0]
     assert (first_prompt[-len(block) :] == block) == (thinking is False)
     assert episode.num_turns == 2 and episode.token_ids.count(block[0]) == (2 if thinking is False else 0)
@@ -229,9 +232,13 @@ def test_in_a_terminal_the_rollout_bar_shows_live_episodes_and_their_furthest_tu
 
     jobs = [(task(1, 2), i) for i in range(3)]
     monkeypatch.setattr(agent_loop, "interactive", lambda: True)
-    run_episodes(ScriptedEngine(tokenizer, ["key", "unlock"]), EmbeddedEnvironment(), tokenizer, jobs, BUDGET, T)
+    run_episodes(
+        ScriptedEngine(tokenizer, ["key", "unlock"]), EmbeddedEnvironment(), tokenizer, jobs, BUDGET, UNFILTERED
+    )
     bar = capsys.readouterr().err
     assert "live 3, turn 1" in bar and "live 3, turn 2" in bar and "rollout" in bar
     monkeypatch.setattr(agent_loop, "interactive", lambda: False)
-    run_episodes(ScriptedEngine(tokenizer, ["key", "unlock"]), EmbeddedEnvironment(), tokenizer, jobs, BUDGET, T)
+    run_episodes(
+        ScriptedEngine(tokenizer, ["key", "unlock"]), EmbeddedEnvironment(), tokenizer, jobs, BUDGET, UNFILTERED
+    )
     assert capsys.readouterr().err == ""

@@ -18,9 +18,17 @@ from canopy.envs.pool import EnvironmentPool
 from canopy.eval.metrics import summarize
 from canopy.rollout.agent_loop import run_episodes
 from canopy.rollout.budget import Budget
-from canopy.rollout.engine import Generation, SamplingParams
+from canopy.rollout.engine import Generation
 from canopy.tiny_model import build_byte_tokenizer
-from tests.helpers import APPWORLD_PYTHON, APPWORLD_SETTINGS, APPWORLD_SYNTHETIC_DATA, ROOT, code, logged_episodes
+from tests.helpers import (
+    APPWORLD_PYTHON,
+    APPWORLD_SETTINGS,
+    APPWORLD_SYNTHETIC_DATA,
+    ROOT,
+    UNFILTERED,
+    code,
+    logged_episodes,
+)
 from tests.scripted import FakeEngine
 
 pytestmark = pytest.mark.skipif(not APPWORLD_PYTHON.is_file(), reason="AppWorld's venv is missing: run `make appworld`")
@@ -110,7 +118,7 @@ def scripted(pool):
         tokenizer,
         [(t, 0) for t in tasks],
         BUDGET,
-        SamplingParams(temperature=1.0, top_p=1.0, top_k=-1),
+        UNFILTERED,
     )
     return tokenizer, tasks, trajectories
 
@@ -163,9 +171,7 @@ def test_infinite_loop_is_an_error_observation_and_scores_zero(pool):
     tokenizer = build_byte_tokenizer()
     task = pool.tasks("train")[0]
     engine = ScriptEngine(tokenizer, {"Task: What is 17 plus 25?": [code("while True:\n    pass")]})
-    [trajectory], _ = run_episodes(
-        engine, pool, tokenizer, [(task, 0)], BUDGET, SamplingParams(temperature=1.0, top_p=1.0, top_k=-1)
-    )
+    [trajectory], _ = run_episodes(engine, pool, tokenizer, [(task, 0)], BUDGET, UNFILTERED)
     assert "Execution timed out after 2 seconds" in tokenizer.decode(trajectory.token_ids[trajectory.prompt_length :])
     assert trajectory.ending == "turn_limit" and trajectory.quarantine is None
     assert trajectory.verdict == Verdict(0, 2) and trajectory.reward("sparse") == 0.0

@@ -5,6 +5,7 @@ from canopy.modules.policy import export_hf_state_dict, load_policy
 from canopy.rollout.engine import SamplingParams
 from canopy.rollout.local import LocalEngine, filter_logits
 from canopy.rollout.settings import LocalEngineSettings
+from tests.helpers import UNFILTERED
 
 
 def engine_for(tiny_path, tokenizer, seed=0):
@@ -63,12 +64,8 @@ def test_weight_sync_changes_outputs_and_version(tiny_path, tokenizer):
 
 def test_same_seed_same_samples(tiny_path, tokenizer):
     prompt = [tokenizer.encode("task : vault 1", add_special_tokens=False)] * 3
-    a = engine_for(tiny_path, tokenizer, seed=5).generate(
-        prompt, [10] * 3, SamplingParams(temperature=1.0, top_p=1.0, top_k=-1)
-    )
-    b = engine_for(tiny_path, tokenizer, seed=5).generate(
-        prompt, [10] * 3, SamplingParams(temperature=1.0, top_p=1.0, top_k=-1)
-    )
+    a = engine_for(tiny_path, tokenizer, seed=5).generate(prompt, [10] * 3, UNFILTERED)
+    b = engine_for(tiny_path, tokenizer, seed=5).generate(prompt, [10] * 3, UNFILTERED)
     assert [g.token_ids for g in a] == [g.token_ids for g in b]
 
 

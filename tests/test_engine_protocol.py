@@ -19,14 +19,14 @@ from canopy.envs.embedded import EmbeddedEnvironment
 from canopy.protocols import mismatches, protocol_members
 from canopy.rollout.agent_loop import run_episodes
 from canopy.rollout.budget import Budget
-from canopy.rollout.engine import Engine, EngineHandle, SamplingParams
+from canopy.rollout.engine import Engine, EngineHandle
 from canopy.rollout.http.engine import HTTPEngine
 from canopy.rollout.local import LocalEngine
 from canopy.rollout.sglang import SGLangEngine, SGLangSettings
 from canopy.rollout.vllm import VLLMEngine, VLLMSettings
 from tests.fake_sglang import FakeSGLang
 from tests.fake_vllm import FakeVLLM
-from tests.helpers import datamodule
+from tests.helpers import UNFILTERED, datamodule
 from tests.scripted import FakeEngine, RecordingEngine, ScriptedEngine
 
 STOPS = [2, 0]  # <|im_end|>, <|endoftext|> in the tiny tokenizer
@@ -105,9 +105,7 @@ def test_concurrent_engines_get_each_episodes_request_alone_batch_engines_every_
     jobs = [(task, 0) for task in EmbeddedEnvironment().tasks("train")[:3]]
     for concurrent, sizes in ((False, {3}), (True, {1})):
         engine = Batches(concurrent)
-        run_episodes(
-            engine, EmbeddedEnvironment(), tokenizer, jobs, BUDGET, SamplingParams(temperature=1.0, top_p=1.0, top_k=-1)
-        )
+        run_episodes(engine, EmbeddedEnvironment(), tokenizer, jobs, BUDGET, UNFILTERED)
         assert {len(prompts) for prompts, _ in engine.calls} == sizes
 
 
@@ -126,15 +124,13 @@ def test_the_checkpoint_round_trips_the_local_engines_sampler_and_saves_none_for
     engine = LocalEngine(tiny_path, STOPS, tokenizer.pad_token_id, seed=3)
     dm = datamodule(tokenizer, engine)
     prompt = tokenizer.encode("task : vault 1", add_special_tokens=False)
-    engine.generate([prompt], [6], SamplingParams(temperature=1.0, top_p=1.0, top_k=-1))
+    engine.generate([prompt], [6], UNFILTERED)
     state = dm.state_dict()
     assert torch.equal(state["engine_rng"], engine.rng_state())
-    expected = engine.generate([prompt], [6], SamplingParams(temperature=1.0, top_p=1.0, top_k=-1))[0].token_ids
+    expected = engine.generate([prompt], [6], UNFILTERED)[0].token_ids
     resumed = LocalEngine(tiny_path, STOPS, tokenizer.pad_token_id, seed=3)
     datamodule(tokenizer, resumed).load_state_dict(state)
-    assert (
-        resumed.generate([prompt], [6], SamplingParams(temperature=1.0, top_p=1.0, top_k=-1))[0].token_ids == expected
-    )
+    assert resumed.generate([prompt], [6], UNFILTERED)[0].token_ids == expected
     assert "engine_rng" not in datamodule(tokenizer, ScriptedEngine(tokenizer, ["key"])).state_dict()
 
 

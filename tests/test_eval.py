@@ -28,10 +28,10 @@ from canopy.eval.runner import (
 from canopy.modules.policy import load_policy
 from canopy.reports.summary import write_summary
 from canopy.rollout.budget import Budget
-from canopy.rollout.engine import SamplingParams
 from canopy.rollout.local import LocalEngine
 from canopy.rollout.trajectory import invalid_action_fracs
 from canopy.trajectories import read_step
+from tests.helpers import UNFILTERED
 from tests.scripted import ScriptedEngine
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -74,9 +74,7 @@ def test_the_summary_compares_base_and_final_success_and_invalid_action_share(to
     budget = Budget(max_turns=3, max_response_tokens=64, max_prompt_tokens=128, max_observation_tokens=32,
                     max_context_tokens=512)  # fmt: skip
     engine = ScriptedEngine(tokenizer, ["hello", "login", "hello"])
-    sampled = sample_runs(
-        engine, EmbeddedEnvironment(), tokenizer, tasks, 1, budget, SamplingParams(temperature=1.0, top_p=1.0, top_k=-1)
-    )
+    sampled = sample_runs(engine, EmbeddedEnvironment(), tokenizer, tasks, 1, budget, UNFILTERED)
     assert sampled.actions_by_tier == {1: [1, 2], 2: [2, 3]}  # tier 1 done at its login; tier 2 at the turn limit
     assert invalid_action_fracs(sampled.actions_by_tier) == {"all": 0.6, "tier1": 0.5, "tier2": pytest.approx(2 / 3)}
     assert invalid_action_fracs({3: [0, 0]}) == {}  # nothing answered: no share

@@ -11,11 +11,11 @@ from canopy.envs.pool import EnvironmentPool, PoolSettings
 from canopy.eval.runner import sample_runs
 from canopy.rollout.agent_loop import run_episodes
 from canopy.rollout.budget import Budget
-from canopy.rollout.engine import EngineFault, SamplingParams
+from canopy.rollout.engine import EngineFault
 from canopy.rollout.faults import check_systemic_faults
 from canopy.rollout.trajectory import Trajectory
 from tests.faulty_envs import FailingEnvironment
-from tests.helpers import datamodule
+from tests.helpers import UNFILTERED, datamodule
 from tests.scripted import ScriptedEngine
 
 BUDGET = Budget(
@@ -106,7 +106,7 @@ def test_evaluation_stops_too(tokenizer):
             env.tasks("dev")[:3],
             2,
             BUDGET,
-            SamplingParams(temperature=1.0, top_p=1.0, top_k=-1),
+            UNFILTERED,
             description="eval base",
         )
 
@@ -125,7 +125,7 @@ def test_pool_faults_name_their_worker_and_stop_the_step(tokenizer, tmp_path):
             tokenizer,
             [(t, i) for t in tasks for i in range(2)],
             BUDGET,
-            SamplingParams(temperature=1.0, top_p=1.0, top_k=-1),
+            UNFILTERED,
         )
     finally:
         pool.close()

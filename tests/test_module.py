@@ -13,9 +13,8 @@ from canopy.envs.embedded import EmbeddedEnvironment
 from canopy.mismatch import OffPolicyError, RolloutCorrection
 from canopy.modules.policy import export_hf_state_dict, load_policy
 from canopy.rollout.budget import Budget
-from canopy.rollout.engine import SamplingParams
 from canopy.rollout.local import LocalEngine
-from tests.helpers import canopy_module, datamodule_over
+from tests.helpers import UNFILTERED, canopy_module, datamodule_over
 
 BUDGET = Budget(
     max_turns=3, max_response_tokens=48, max_prompt_tokens=128, max_observation_tokens=32, max_context_tokens=512
@@ -93,7 +92,7 @@ def make(tiny_path, tokenizer, seed=0, engine_class=LocalEngine, reward="sparse"
         tasks_per_step=3,
         group_size=4,
         budget=BUDGET,
-        sampling=SamplingParams(temperature=1.0, top_p=1.0, top_k=-1),
+        sampling=UNFILTERED,
         reward=reward,
         seed=seed,
     )

@@ -18,10 +18,9 @@ from canopy.envs.base import Verdict
 from canopy.errors import ConfigError
 from canopy.rollout.agent_loop import run_episodes
 from canopy.rollout.budget import Budget
-from canopy.rollout.engine import SamplingParams
 from canopy.tiny_model import build_byte_tokenizer, build_tokenizer
 from canopy.trajectories import read_step
-from tests.helpers import LETTERS_ENV, config
+from tests.helpers import LETTERS_ENV, UNFILTERED, config
 from tests.scripted import ScriptedEngine
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -114,7 +113,7 @@ def test_a_scripted_policy_scores_on_the_environment_and_reads_its_prompt(own_pa
         tokenizer,
         jobs,
         budget,
-        SamplingParams(temperature=1.0, top_p=1.0, top_k=-1),
+        UNFILTERED,
     )
     assert [t.verdict.success for t in trajectories] == [c in "eta" for c in "etaoinsh"]
     prompt = tokenizer.decode(trajectories[0].token_ids[: trajectories[0].prompt_length])
@@ -184,7 +183,7 @@ def test_the_word_level_tiny_model_warns_that_it_cannot_read_another_environment
         tasks_per_step=2,
         group_size=2,
         budget=budget,
-        sampling=SamplingParams(temperature=1.0, top_p=1.0, top_k=-1),
+        sampling=UNFILTERED,
     )
     datamodule = datamodule_over(env, ScriptedEngine(tokenizer, ["open"]), tokenizer, **args)
     with pytest.warns(UserWarning, match=r"of the prompts' tokens are the tokenizer's unknown token '<unk>'.*"
@@ -226,12 +225,7 @@ def test_reasoning_gym_tasks_are_scored_by_the_datasets_own_verifier():
             return super().generate(prompts, max_new_tokens, sampling, keys)
 
     engine = Answering(tokenizer, [""])
-    trajectories = [
-        run_episodes(engine, env, tokenizer, [(t, 0)], budget, SamplingParams(temperature=1.0, top_p=1.0, top_k=-1))[0][
-            0
-        ]
-        for t in tasks
-    ]
+    trajectories = [run_episodes(engine, env, tokenizer, [(t, 0)], budget, UNFILTERED)[0][0] for t in tasks]
     assert [t.verdict.success for t in trajectories] == [True, False] * 3
     assert [t.invalid_turns for t in trajectories] == [[], [1]] * 3  # no <answer> tag
     assert tokenizer.decode(trajectories[0].token_ids).count(env.start(tasks[0], 0).entry["question"]) == 1

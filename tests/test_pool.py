@@ -18,7 +18,7 @@ from canopy.envs.embedded import EmbeddedEnvironment
 from canopy.envs.pool import EnvironmentPool, PoolSettings
 from canopy.rollout.agent_loop import run_episodes
 from canopy.rollout.budget import Budget
-from canopy.rollout.engine import SamplingParams
+from tests.helpers import UNFILTERED
 from tests.scripted import ScriptedEngine
 
 SANDBOX = {"cpu_seconds": 1, "wall_seconds": 2.0, "memory_mb": 256, "max_processes": 8}
@@ -283,7 +283,7 @@ def test_embedded_env_behind_the_pool_matches_in_process(tokenizer):
         tokenizer,
         jobs,
         budget,
-        SamplingParams(temperature=1.0, top_p=1.0, top_k=-1),
+        UNFILTERED,
     )
     pool = EnvironmentPool(
         "canopy.envs.embedded:EmbeddedEnvironment", {}, PoolSettings(workers=4, request_timeout_s=30)
@@ -295,7 +295,7 @@ def test_embedded_env_behind_the_pool_matches_in_process(tokenizer):
             tokenizer,
             jobs,
             budget,
-            SamplingParams(temperature=1.0, top_p=1.0, top_k=-1),
+            UNFILTERED,
         )
     finally:
         pool.close()

@@ -22,8 +22,7 @@ from canopy.errors import ConfigError
 from canopy.reports.tb_scalars import read_scalars
 from canopy.rollout.agent_loop import run_episodes
 from canopy.rollout.budget import Budget
-from canopy.rollout.engine import SamplingParams
-from tests.helpers import train
+from tests.helpers import UNFILTERED, train
 from tests.scripted import ScriptedEngine
 
 ray = pytest.importorskip("ray")
@@ -286,9 +285,7 @@ def test_a_rollout_loses_no_episode_to_a_lost_node(connected, extra, tokenizer):
     try:
         jobs = [(task, 0) for task in env.tasks("train")[:8]]
         engine = NodeRemovingEngine(tokenizer, cluster, extra, env)
-        trajectories, _ = run_episodes(
-            engine, env, tokenizer, jobs, budget, SamplingParams(temperature=1.0, top_p=1.0, top_k=-1)
-        )
+        trajectories, _ = run_episodes(engine, env, tokenizer, jobs, budget, UNFILTERED)
         assert engine.removed and all(node.open == 0 for node in env.nodes)
     finally:
         env.close()

@@ -12,9 +12,8 @@ from fake_sglang import FakeGateway, FakeSGLang
 from canopy.envs.base import Task, Verdict
 from canopy.rollout.agent_loop import run_episodes
 from canopy.rollout.budget import Budget
-from canopy.rollout.engine import SamplingParams
 from canopy.tiny_model import build_byte_tokenizer
-from tests.helpers import CountdownEnvironment, sglang_engine_for, tiny_weights
+from tests.helpers import UNFILTERED, CountdownEnvironment, sglang_engine_for, tiny_weights
 from tests.scripted import RecordingEngine
 
 BUDGET = Budget(max_turns=20, max_response_tokens=400, max_prompt_tokens=128, max_observation_tokens=16,
@@ -55,7 +54,7 @@ def test_every_turn_of_an_episode_goes_to_one_server(tiny_path, tokenizer, tmp_p
         tokenizer,
         jobs(24, 5),
         BUDGET,
-        SamplingParams(temperature=1.0, top_p=1.0, top_k=-1),
+        UNFILTERED,
     )
     assert all(t.verdict == Verdict(1, 1) and t.num_turns == 5 for t in trajectories)
     assert all(len(numbers) == 1 for numbers in episode_servers(servers, tokenizer).values())
@@ -86,9 +85,7 @@ def test_a_dying_server_is_ejected_then_readmitted_and_no_episode_is_lost(tiny_p
     saboteur = threading.Thread(target=kill_then_revive)
     saboteur.start()
     env = CountdownEnvironment(step_s=0.01)
-    trajectories, _ = run_episodes(
-        engine, env, tokenizer, jobs(24, 8), BUDGET, SamplingParams(temperature=1.0, top_p=1.0, top_k=-1)
-    )
+    trajectories, _ = run_episodes(engine, env, tokenizer, jobs(24, 8), BUDGET, UNFILTERED)
     saboteur.join()
     assert readmitted_while_stale == [0]  # healthy but on other weights: not re-admitted
     assert len(trajectories) == 24 and all(t.verdict == Verdict(1, 1) for t in trajectories)  # none lost
@@ -110,9 +107,7 @@ def test_a_server_on_other_weights_is_ejected_and_its_samples_are_drawn_again(ti
     engine.router.health_interval_s = 0.05
     servers[0].version = "default"  # as a restarted server reports, until re-synced
     env = CountdownEnvironment()
-    trajectories, _ = run_episodes(
-        engine, env, tokenizer, jobs(12, 3), BUDGET, SamplingParams(temperature=1.0, top_p=1.0, top_k=-1)
-    )
+    trajectories, _ = run_episodes(engine, env, tokenizer, jobs(12, 3), BUDGET, UNFILTERED)
     assert len(trajectories) == 12 and all(t.verdict == Verdict(1, 1) for t in trajectories)
     assert len(servers[0].bodies("/generate")) >= 1 and engine.router.counts["ejections"] == 1
     assert engine.router.counts["readmissions"] == 0  # it never serves our weights, so it stays out
@@ -129,7 +124,7 @@ def test_requests_failing_everywhere_quarantine_their_episodes_and_are_counted(t
         tokenizer,
         jobs(3, 2),
         BUDGET,
-        SamplingParams(temperature=1.0, top_p=1.0, top_k=-1),
+        UNFILTERED,
     )
     assert [t.quarantine for t in trajectories] == ["engine_request_failed"] * 3
     assert engine.router.counts["ejections"] == 1
@@ -143,15 +138,11 @@ def test_an_in_process_environment_gathers_every_live_episode_per_batch_in_job_o
     env = CountdownEnvironment()
     env.max_concurrent_episodes = None  # in-process
     work = [(Task(f"e{i}", 1, "s", {"turns": turns}), 0) for i, turns in enumerate([3, 1, 2, 3])]
-    trajectories, _ = run_episodes(
-        engine, env, tokenizer, work, BUDGET, SamplingParams(temperature=1.0, top_p=1.0, top_k=-1)
-    )
+    trajectories, _ = run_episodes(engine, env, tokenizer, work, BUDGET, UNFILTERED)
     assert engine.batches == [["e0", "e1", "e2", "e3"], ["e0", "e2", "e3"], ["e0", "e3"]]
     assert [t.num_turns for t in trajectories] == [3, 1, 2, 3]
     engine.batches.clear()  # at most 2 at once: a finished episode's place goes to the next job
-    trajectories, _ = run_episodes(
-        engine, env, tokenizer, work, BUDGET, SamplingParams(temperature=1.0, top_p=1.0, top_k=-1), concurrency=2
-    )
+    trajectories, _ = run_episodes(engine, env, tokenizer, work, BUDGET, UNFILTERED, concurrency=2)
     assert engine.batches == [["e0", "e1"], ["e0", "e2"], ["e0", "e2"], ["e3"], ["e3"], ["e3"]]
 
 
@@ -168,14 +159,12 @@ def test_a_gateway_carries_the_data_plane_keyed_by_episode(tiny_path, tmp_path, 
             tokenizer,
             jobs(12, 4),
             BUDGET,
-            SamplingParams(temperature=1.0, top_p=1.0, top_k=-1),
+            UNFILTERED,
             concurrency=12,
         )
         placement = episode_servers(servers, tokenizer)
         engine.update_weights(tiny_weights(tiny_path, 0.01).items(), 1)
-        after_sync = engine.generate(
-            [[5, 6]], [4], SamplingParams(temperature=1.0, top_p=1.0, top_k=-1), keys=["late"]
-        )[0]
+        after_sync = engine.generate([[5, 6]], [4], UNFILTERED, keys=["late"])[0]
     finally:
         gateway.stop()
     assert all(t.quarantine is None and t.num_turns == 4 for t in trajectories)

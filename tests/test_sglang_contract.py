@@ -33,7 +33,7 @@ from canopy.rollout.http import fleet as http_fleet
 from canopy.rollout.http import routing as http_routing
 from canopy.rollout.sglang import SGLangSettings
 from canopy.rollout.sglang import servers as sglang_servers
-from tests.helpers import config, sglang_engine_for, tiny_weights
+from tests.helpers import UNFILTERED, config, sglang_engine_for, tiny_weights
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -61,7 +61,7 @@ def canopy_requests(tiny_path, work: Path, routes=ROUTES) -> list:
         engine.generate([[5, 6, 7], [5, 6]], [10, 1], sampling, keys=["e0", "e1"])
         for server in servers:
             server.failures = ["500"]  # both fail once: ejected, retried, re-admitted once /health answers
-        engine.generate([[5]], [4], SamplingParams(temperature=1.0, top_p=1.0, top_k=-1), keys=["e2"])
+        engine.generate([[5]], [4], UNFILTERED, keys=["e2"])
         deadline = time.monotonic() + 10
         while engine.router.counts["readmissions"] < engine.router.counts["ejections"] and time.monotonic() < deadline:
             time.sleep(0.01)

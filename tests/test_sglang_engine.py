@@ -30,7 +30,7 @@ from canopy.rollout.sglang import SGLangEngine, SGLangSettings, StaleSampleError
 from canopy.rollout.sglang.servers import launch_command
 from canopy.rollout.sglang.weight_sync import GROUP_NAME, broadcast_from_trainer, init_custom_process_group
 from tests.fake_sglang import FakeSGLang
-from tests.helpers import STOPS, config, sglang_engine_for, tiny_weights
+from tests.helpers import STOPS, UNFILTERED, config, sglang_engine_for, tiny_weights
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = str(ROOT / "conf")
@@ -81,9 +81,7 @@ def test_attach_resets_to_base_then_requests_and_replies(tiny_path, tmp_path, fa
 def test_requests_go_to_the_server_with_fewest_in_flight(tiny_path, tmp_path, fake):
     a, b = fake(delay=0.2), fake(delay=0.2)
     engine = sglang_engine_for(tiny_path, tmp_path, [a, b])
-    generations = engine.generate(
-        [[5, i] for i in range(8)], [4] * 8, SamplingParams(temperature=1.0, top_p=1.0, top_k=-1)
-    )
+    generations = engine.generate([[5, i] for i in range(8)], [4] * 8, UNFILTERED)
     assert all(g.token_ids == [7, 8, 2] for g in generations)
     assert len(a.bodies("/generate")) == len(b.bodies("/generate")) == 4
 
@@ -92,10 +90,10 @@ def test_aborted_5xx_and_dropped_requests_are_retried_then_fault(tiny_path, tmp_
     server = fake()
     engine = sglang_engine_for(tiny_path, tmp_path, [server], max_retries=2)
     server.failures = ["abort", "500"]
-    [ok] = engine.generate([[5]], [4], SamplingParams(temperature=1.0, top_p=1.0, top_k=-1))
+    [ok] = engine.generate([[5]], [4], UNFILTERED)
     assert ok.token_ids == [7, 8, 2] and len(server.bodies("/generate")) == 3
     server.failures = ["drop", "abort", "500"]
-    [fault] = engine.generate([[5]], [4], SamplingParams(temperature=1.0, top_p=1.0, top_k=-1))
+    [fault] = engine.generate([[5]], [4], UNFILTERED)
     assert isinstance(fault, EngineFault) and fault.reason == "engine_request_failed"
     assert len(server.bodies("/generate")) == 6  # 1 try + 2 retries
 
@@ -104,13 +102,10 @@ def test_refused_connections_fail_over_to_a_live_server_then_fault(tiny_path, tm
     a, b = fake(), fake()
     engine = sglang_engine_for(tiny_path, tmp_path, [a, b])
     a.stop()
-    assert all(
-        g.token_ids == [7, 8, 2]
-        for g in engine.generate([[5], [6], [7]], [4] * 3, SamplingParams(temperature=1.0, top_p=1.0, top_k=-1))
-    )
+    assert all(g.token_ids == [7, 8, 2] for g in engine.generate([[5], [6], [7]], [4] * 3, UNFILTERED))
     assert len(b.bodies("/generate")) == 3
     b.stop()
-    faults = engine.generate([[5], [6]], [4, 4], SamplingParams(temperature=1.0, top_p=1.0, top_k=-1))
+    faults = engine.generate([[5], [6]], [4, 4], UNFILTERED)
     assert [f.reason for f in faults] == ["engine_request_failed"] * 2 and "Connection refused" in str(faults[0])
 
 
@@ -119,7 +114,7 @@ def test_rejected_request_raises_without_retry(tiny_path, tmp_path, fake):
     engine = sglang_engine_for(tiny_path, tmp_path, [server])
     server.failures = ["400"]
     with pytest.raises(RuntimeError, match="rejected a /generate request"):
-        engine.generate([[5]], [4], SamplingParams(temperature=1.0, top_p=1.0, top_k=-1))
+        engine.generate([[5]], [4], UNFILTERED)
     assert len(server.bodies("/generate")) == 1
 
 
@@ -128,7 +123,7 @@ def test_samples_from_another_weight_version_are_refused(tiny_path, tmp_path, fa
     engine = sglang_engine_for(tiny_path, tmp_path, [server])
     server.report_version = "7"
     with pytest.raises(StaleSampleError, match=r"\['7'\] but the engine holds 0"):
-        engine.generate([[5]], [4], SamplingParams(temperature=1.0, top_p=1.0, top_k=-1))
+        engine.generate([[5]], [4], UNFILTERED)
     spans = [{"version": "-1", "start": 0, "end": 1}, {"version": "0", "start": 1, "end": 2}]  # updated mid-request
     reply = {
         "meta_info": {
@@ -167,10 +162,7 @@ def test_disk_sync_writes_a_loadable_checkpoint_and_drives_the_servers_in_order(
     assert (v1 / "config.json").is_file() and (v1 / "tokenizer.json").is_file()
     model = Qwen3ForCausalLM.from_pretrained(v1)
     assert torch.equal(model.lm_head.weight, weights["lm_head.weight"])
-    assert (
-        engine.weight_version == 1
-        and engine.generate([[5]], [4], SamplingParams(temperature=1.0, top_p=1.0, top_k=-1))[0].weight_version == 1
-    )
+    assert engine.weight_version == 1 and engine.generate([[5]], [4], UNFILTERED)[0].weight_version == 1
 
     engine.update_weights(iter(tiny_weights(tiny_path).items()), version=2)
     assert sorted(p.name for p in (tmp_path / "sync").glob("v*")) == ["v2"]  # old versions are deleted
@@ -281,7 +273,7 @@ def test_agent_loop_quarantines_only_the_episode_whose_request_failed(tiny_path,
         tokenizer,
         [(tasks[0], 0), (tasks[1], 1)],
         budget,
-        SamplingParams(temperature=1.0, top_p=1.0, top_k=-1),
+        UNFILTERED,
     )[0]
     assert (failed.ending, failed.quarantine, failed.verdict) == ("quarantined", "engine_request_failed", None)
     assert served.quarantine is None and served.verdict is not None and served.weight_versions == {0}

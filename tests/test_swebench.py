@@ -29,7 +29,7 @@ from canopy.envs.swebench import SWEBenchEnvironment, SWEBenchEpisode, SWEBenchS
 from canopy.errors import ConfigError
 from canopy.rollout.agent_loop import run_episodes
 from canopy.rollout.budget import Budget
-from canopy.rollout.engine import Generation, SamplingParams
+from canopy.rollout.engine import Generation
 from canopy.rollout.trajectory import Trajectory
 from canopy.step import StepStats, same_task_groups
 from canopy.tiny_model import build_byte_tokenizer
@@ -38,6 +38,7 @@ from canopy.tools.swe_data.cache_images import cache_images
 from canopy.tools.swe_data.convert import convert_rebench, convert_verified
 from canopy.tools.swe_data.generate import TEST_CMD, build_container_images, generate
 from canopy.tools.swe_data.instances import read_jsonl, write_jsonl
+from tests.helpers import UNFILTERED
 from tests.scripted import FakeEngine
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -242,7 +243,7 @@ def test_every_reward_observation_and_quarantine_through_the_pool(generated):
             tokenizer,
             [(t, 0) for t in tasks],
             BUDGET,
-            SamplingParams(temperature=1.0, top_p=1.0, top_k=-1),
+            UNFILTERED,
         )
         for limit, budget in (  # the budget's other limits, each on one episode
             ("token_budget", dataclasses.replace(BUDGET, max_response_tokens=900)),
@@ -254,7 +255,7 @@ def test_every_reward_observation_and_quarantine_through_the_pool(generated):
                 tokenizer,
                 [(tagged(a, limit), 0)],
                 budget,
-                SamplingParams(temperature=1.0, top_p=1.0, top_k=-1),
+                UNFILTERED,
             )
             assert t.ending == limit and t.verdict.outcome == "no_submission" and t.reward("sparse") == -0.2
     finally:
@@ -392,11 +393,7 @@ def kill_worker_mid_command(generated, tmp_path, runtime: dict, inspect_live) ->
     job = [(tagged(generated["instances"][1], "sleeper"), 0)]
     result = {}
     thread = threading.Thread(
-        target=lambda: result.update(
-            trajectories=run_episodes(
-                engine, pool, tokenizer, job, BUDGET, SamplingParams(temperature=1.0, top_p=1.0, top_k=-1)
-            )[0]
-        )
+        target=lambda: result.update(trajectories=run_episodes(engine, pool, tokenizer, job, BUDGET, UNFILTERED)[0])
     )
     thread.start()
     deadline = time.monotonic() + 60
@@ -639,7 +636,7 @@ def test_container_runtimes_score_and_clean_up_like_bwrap(generated, tmp_path, e
             tokenizer,
             [(t, 0) for t in tasks],
             BUDGET,
-            SamplingParams(temperature=1.0, top_p=1.0, top_k=-1),
+            UNFILTERED,
         )
     finally:
         pool.close()

@@ -33,7 +33,7 @@ from canopy.rollout.http import fleet as http_fleet
 from canopy.rollout.http import routing as http_routing
 from canopy.rollout.vllm import VLLMSettings
 from canopy.rollout.vllm import servers as vllm_servers
-from tests.helpers import tiny_weights, vllm_engine_for
+from tests.helpers import UNFILTERED, tiny_weights, vllm_engine_for
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -183,7 +183,7 @@ def test_every_reply_field_canopy_reads_is_in_the_releases_response(tiny_path, t
     server = FakeVLLM()
     try:
         engine = vllm_engine_for(tiny_path, tmp_path, [server])
-        body = engine.backend.request_body([5, 6], 4, SamplingParams(temperature=1.0, top_p=1.0, top_k=-1))
+        body = engine.backend.request_body([5, 6], 4, UNFILTERED)
         reads = set()
         reply = json.loads(json.dumps(http_fleet.request(server.url + engine.backend.generate_path, body, 10)))
         engine.backend.parse(Recorded(reply, (), reads), 0)

@@ -20,7 +20,7 @@ from canopy.rollout.engine import EngineFault, SamplingParams
 from canopy.rollout.http.routing import StaleSampleError
 from canopy.rollout.vllm import VLLMSettings
 from canopy.rollout.vllm.servers import launch_command
-from tests.helpers import tiny_weights, vllm_engine_for
+from tests.helpers import UNFILTERED, tiny_weights, vllm_engine_for
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -66,14 +66,14 @@ def test_aborted_requests_are_retried_and_failing_ones_quarantined(tiny_path, tm
     server = fake()
     engine = vllm_engine_for(tiny_path, tmp_path, [server])
     server.failures = ["abort", "500"]
-    [ok] = engine.generate([[5]], [4], SamplingParams(temperature=1.0, top_p=1.0, top_k=-1))
+    [ok] = engine.generate([[5]], [4], UNFILTERED)
     assert ok.token_ids == [7, 8, 2] and len(server.bodies("/inference/v1/generate")) == 3
     server.failures = ["500"] * 3
-    [fault] = engine.generate([[5]], [4], SamplingParams(temperature=1.0, top_p=1.0, top_k=-1))
+    [fault] = engine.generate([[5]], [4], UNFILTERED)
     assert isinstance(fault, EngineFault) and fault.reason == "engine_request_failed"
     server.failures = ["400"]
     with pytest.raises(RuntimeError, match="rejected a /inference/v1/generate request"):
-        engine.generate([[5]], [4], SamplingParams(temperature=1.0, top_p=1.0, top_k=-1))
+        engine.generate([[5]], [4], UNFILTERED)
     engine.close()
 
 
@@ -82,7 +82,7 @@ def test_a_sample_from_other_weights_is_refused(tiny_path, tmp_path, fake):
     engine = vllm_engine_for(tiny_path, tmp_path, [server], max_retries=1)
     server.version = "default"  # restarted behind the engine's back
     with pytest.raises(StaleSampleError, match=r"version\(s\) \['default'\] but the engine holds 0"):
-        engine.generate([[5]], [4], SamplingParams(temperature=1.0, top_p=1.0, top_k=-1))
+        engine.generate([[5]], [4], UNFILTERED)
     mixed = {"choices": [{"finish_reason": "length", "token_ids": [3, 4],
                           "weight_versions": [{"version": "0", "start": 0, "end": 1},
                                               {"version": "1", "start": 1, "end": 2}],
@@ -125,7 +125,7 @@ def test_a_server_failing_its_sync_is_ejected_then_resynced_before_it_serves(tin
     engine.update_weights(tiny_weights(tiny_path, 0.1).items(), 1)  # a takes it; b is ejected, not the run stopped
     assert a.version == "1" and b.version == "0" and engine.fleet.servers[1].ejected
     before = len(b.bodies("/inference/v1/generate"))
-    engine.generate([[5]] * 4, [4] * 4, SamplingParams(temperature=1.0, top_p=1.0, top_k=-1), keys=["x", "y", "z", "w"])
+    engine.generate([[5]] * 4, [4] * 4, UNFILTERED, keys=["x", "y", "z", "w"])
     assert len(b.bodies("/inference/v1/generate")) == before  # an ejected server serves nothing
     b.fail_control = set()  # it answers again: found on other weights, re-synced from v1, re-admitted
     deadline = time.monotonic() + 10
@@ -167,7 +167,7 @@ def test_nccl_sync_sends_every_weight_in_the_order_each_server_was_told(tiny_pat
         told = [name for body in server.bodies("/update_weights") for name in body["update_info"]["names"]]
         assert sorted(told) == sorted(weights) and len(told) == len(weights)  # each weight once
         assert all(torch.equal(server.weights[name], weights[name]) for name in weights)  # what it was sent
-    [stop] = engine.generate([[5, 6]], [4], SamplingParams(temperature=1.0, top_p=1.0, top_k=-1))
+    [stop] = engine.generate([[5, 6]], [4], UNFILTERED)
     assert stop.weight_version == 1
     with pytest.raises(RuntimeError, match="missed"):  # a stream that breaks off leaves every server suspect
         engine.update_weights(list(tiny_weights(tiny_path).items())[:-1], 2)
