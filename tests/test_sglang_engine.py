@@ -451,3 +451,21 @@ def test_serving_dtype_follows_sglangs_dtype_rule(tiny_path, tmp_path):
     assert serving_dtype([], bf16) == "bfloat16"
     (bf16 / "config.json").write_text(json.dumps({}))
     assert serving_dtype([], bf16) == "bfloat16"
+
+
+@pytest.mark.parametrize(
+    "overrides, dtype",
+    [
+        (["engine=sglang"], "float16"),  # "auto" on the float32 checkpoint
+        (["engine=sglang", "engine.sglang.extra_args=[--dtype,bfloat16]"], "bfloat16"),
+        (["engine=vllm", "engine.vllm.dtype=bfloat16"], "bfloat16"),
+        (["engine.local.dtype=bfloat16"], "bfloat16"),
+    ],
+)
+def test_the_runs_engine_handle_knows_each_engines_dtype_before_building_it(tiny_path, overrides, dtype):
+    """train.py's engine handle carries the dtype the chosen engine will compute in (the audit's gap bounds are
+    chosen by it), from the settings alone: nothing is launched or loaded."""
+    from canopy.build import build_engine_handle
+
+    handle = build_engine_handle(config(*overrides), tiny_path)
+    assert handle.dtype == dtype and handle.version == 0

@@ -109,13 +109,13 @@ class SGLangSettings:
             f"engine.sglang.max_retries={self.max_retries} must be >= 0",
         )
 
-
-def gpu_names(gpus: range) -> str:
-    return f"GPU {gpus.start}" if len(gpus) == 1 else f"GPUs {gpus.start}-{gpus.stop - 1}"
-
     def compute_dtype(self, model_path: str | Path) -> str:
         """The dtype the servers will compute in, known before launching them (`serving_dtype`)."""
         return serving_dtype(self.extra_args, model_path)
+
+
+def gpu_names(gpus: range) -> str:
+    return f"GPU {gpus.start}" if len(gpus) == 1 else f"GPUs {gpus.start}-{gpus.stop - 1}"
 
 
 def serving_dtype(extra_args: list[str], model_path: str | Path) -> str:
